@@ -1,0 +1,155 @@
+"""Building blocks of Llama-family decoders: RMSNorm, rotary embedding, attention, MLP.
+
+Inference runs on a flat ragged batch: all new tokens of all requests in one `[num_tokens, ...]`
+tensor, request-major, with an `AttentionMetadata` describing where each request's tokens sit.
+Training runs on a dense `[batch, seq, ...]` tensor with plain causal attention (metadata None).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where the new tokens of one engine step go; built once per step, shared by all layers."""
+
+    token_slots: torch.Tensor     # [num_tokens] long: KV-cache slot of each token's request
+    positions: torch.Tensor       # [num_tokens] long: position of each token in its sequence
+    slot_ids: torch.Tensor        # [batch] long: KV-cache slot of each request
+    first_slot: int               # slot of request 0 (batch-1 fast path slices a view)
+    batch_size: int
+    max_query_len: int
+    max_kv_len: int               # longest context after this step's writes
+    # [num_tokens] flat index of each token in a padded [batch * max_query_len] layout;
+    # None when all requests have max_query_len new tokens (no padding needed).
+    pad_index: torch.Tensor | None
+    # [batch, 1, max_query_len, max_kv_len] bool, True = may attend; None for batch-1 decode.
+    mask: torch.Tensor | None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference implementation, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2]; supports the default and llama3 rope types."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """Precomputed cos/sin tables indexed by position (rotate-half layout, as in HF Llama)."""
+
+    def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_len, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)                        # [max_len, head_dim // 2]
+        emb = torch.cat([freqs, freqs], dim=-1)                 # [max_len, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [..., seq, heads, head_dim]; positions: [..., seq]
+        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)     # [..., seq, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """GQA self-attention with fused q/k/v, optional q/k bias (Qwen2) and q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 bias: bool, qk_norm: bool, eps: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+                md: AttentionMetadata | None, cache: tuple[torch.Tensor, torch.Tensor] | None
+                ) -> torch.Tensor:
+        lead = x.shape[:-1]                                      # [T] or [B, S]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, positions), rotary(k, positions)
+        if md is None:                                           # training: dense causal
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=True, scale=self.scale, enable_gqa=True)   # [B, H, S, D]
+            return self.o_proj(o.transpose(1, 2).reshape(*lead, self.q_size))
+        return self.o_proj(self._cached(q, k, v, md, cache))
+
+    def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                md: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, Hkv, D]; cache tensors: [num_slots, Hkv, max_len, D]
+        k_cache, v_cache = cache
+        k_cache[md.token_slots, :, md.positions] = k
+        v_cache[md.token_slots, :, md.positions] = v
+        B, Q, L = md.batch_size, md.max_query_len, md.max_kv_len
+        if B == 1:
+            s = md.first_slot
+            keys, values = k_cache[s:s + 1, :, :L], v_cache[s:s + 1, :, :L]   # views
+        else:
+            keys, values = k_cache[md.slot_ids, :, :L], v_cache[md.slot_ids, :, :L]
+        if md.pad_index is None:
+            qp = q.view(B, Q, self.num_heads, self.head_dim)
+        else:
+            qp = q.new_zeros(B * Q, self.num_heads, self.head_dim)
+            qp[md.pad_index] = q
+            qp = qp.view(B, Q, self.num_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, values, attn_mask=md.mask, scale=self.scale,
+            enable_gqa=True)                                     # [B, H, Q, D]
+        o = o.transpose(1, 2).reshape(B * Q, self.q_size)
+        return o if md.pad_index is None else o[md.pad_index]    # [T, H * D]
+
+
+class MLP(nn.Module):
+    """SwiGLU with fused gate/up weights."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

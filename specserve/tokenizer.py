@@ -1,0 +1,94 @@
+"""Tokenizer from a HF model directory (tokenizer.json + tokenizer_config.json), chat template,
+and an incremental detokenizer that never emits half of a multi-byte character."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        d = Path(model_dir)
+        path = d / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing; a model directory needs tokenizer.json "
+                                    "(pass prompts as TokensPrompt to run without one)")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on bad files
+            raise ValueError(f"{path} could not be parsed: {e}") from e
+        cfg_path = d / "tokenizer_config.json"
+        self.config: dict = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.eos_token: str | None = _token_str(self.config.get("eos_token"))
+        self.bos_token: str | None = _token_str(self.config.get("bos_token"))
+        self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
+        self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
+        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token_id is not None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id] + ids if self.add_bos else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model's tokenizer_config.json has no chat_template; use "
+                             "/v1/completions or add a chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+
+
+def _token_str(tok) -> str | None:
+    return tok.get("content") if isinstance(tok, dict) else tok
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a short window [prefix_offset, len) and compares it with the window's text so far;
+    text ending in U+FFFD is held back until the next tokens complete the character.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-6:])    # a little context for correct spacing
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        dec = self.tokenizer.decode
+        prefix_text = dec(self.ids[self.prefix_offset:self.read_offset])
+        full = dec(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix_text) and not full.endswith(REPLACEMENT_CHAR):
+            delta = full[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self.text += delta
+            return delta
+        return ""

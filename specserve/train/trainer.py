@@ -1,0 +1,211 @@
+"""One training loop for language models: pretraining (cross-entropy on corpus tokens) and
+draft distillation (KL to a frozen target's distribution on the same tokens).
+
+AdamW, linear warmup then cosine decay, gradient clipping, optional bf16 autocast, seeded
+batches that do not depend on where a run was resumed, checkpoints in safetensors (no pickle),
+a JSONL loss log and a PNG loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+
+@dataclass
+class TrainConfig:
+    out: str = field(metadata={"help": "output model directory"})
+    steps: int = field(default=2000, metadata={"help": "optimizer steps in the schedule"})
+    batch_size: int = field(default=8, metadata={"help": "sequences per step"})
+    seq_len: int = field(default=512, metadata={"help": "tokens per training sequence"})
+    lr: float = field(default=2e-3, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a share of peak"})
+    warmup: int = field(default=100, metadata={"help": "linear warmup steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay"})
+    grad_clip: float = field(default=1.0, metadata={"help": "max gradient norm"})
+    bf16: bool = field(default=True, metadata={"help": "bf16 autocast (CPU with AVX512-BF16, CUDA)"})
+    seed: int = field(default=0, metadata={"help": "seed for init and batches"})
+    eval_every: int = field(default=250, metadata={"help": "steps between validations"})
+    ckpt_every: int = field(default=50, metadata={"help": "steps between checkpoints"})
+    max_minutes: float | None = field(
+        default=None, metadata={"help": "stop (checkpointed, resumable) after this wall time"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda or auto"})
+    threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
+    kd_alpha: float = field(default=1.0, metadata={"help": "distillation: weight of KL vs CE"})
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "ckpt_every", "eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.kd_alpha <= 1:
+            raise ValueError(f"kd_alpha must be in [0, 1], got {self.kd_alpha}")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def batch_at(tokens: np.ndarray, step: int, cfg: TrainConfig) -> torch.Tensor:
+    """Random windows of seq_len + 1 tokens; a function of (seed, step) only, so resume is exact."""
+    rng = np.random.default_rng([cfg.seed, step])
+    starts = rng.integers(0, len(tokens) - cfg.seq_len - 1, size=cfg.batch_size)
+    return torch.from_numpy(np.stack([tokens[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int64))
+
+
+@torch.no_grad()
+def evaluate_bpb(model, tokens: np.ndarray, n_bytes: int, seq_len: int, device: torch.device,
+                 bf16: bool, batch: int = 8) -> float:
+    """Bits per byte over non-overlapping windows of the whole validation token stream."""
+    model.eval()
+    n = (len(tokens) - 1) // seq_len
+    total_nats = 0.0
+    counted = 0
+    for i in range(0, n, batch):
+        rows = [tokens[j * seq_len:(j + 1) * seq_len + 1] for j in range(i, min(n, i + batch))]
+        x = torch.from_numpy(np.stack(rows).astype(np.int64)).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model.compute_logits(model(x[:, :-1], _positions(x[:, :-1])))
+        total_nats += F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(),
+                                      reduction="sum").item()
+        counted += x[:, 1:].numel()
+    model.train()
+    # Scale to the whole stream: the tail shorter than one window is left out.
+    frac = counted / max(1, len(tokens) - 1)
+    return total_nats / (n_bytes * frac) / math.log(2)
+
+
+def _positions(x: torch.Tensor) -> torch.Tensor:
+    return torch.arange(x.shape[1], device=x.device).expand_as(x)
+
+
+def _save_ckpt(path: Path, model, opt: torch.optim.Optimizer, step: int, log: list) -> None:
+    tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+               if not (k == "lm_head.weight" and model.args.tie_word_embeddings)}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    tensors[f"opt.{key}.{names[id(p)]}"] = st[key].cpu().contiguous()
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)
+    path.with_suffix(".json").write_text(json.dumps({"step": step, "log": log}))
+
+
+def _load_ckpt(path: Path, model, opt: torch.optim.Optimizer) -> tuple[int, list]:
+    tensors = load_file(str(path))
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")},
+                          strict=False)
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if f"opt.exp_avg.{name}" in tensors:
+            opt.state[p] = {"step": torch.tensor(0.0),
+                            "exp_avg": tensors[f"opt.exp_avg.{name}"].to(p.device),
+                            "exp_avg_sq": tensors[f"opt.exp_avg_sq.{name}"].to(p.device)}
+    meta = json.loads(path.with_suffix(".json").read_text())
+    for st in opt.state.values():
+        st["step"] = torch.tensor(float(meta["step"]))
+    return meta["step"], meta["log"]
+
+
+def plot_losses(log: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in log if "loss" in r], [r["loss"] for r in log if "loss" in r],
+            label="train loss (nats/token)", alpha=0.6)
+    vals = [r for r in log if "val_bpb" in r]
+    if vals:
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in vals], [r["val_bpb"] for r in vals], "o-", color="C1",
+                 label="val bits/byte")
+        ax2.set_ylabel("val bits/byte")
+        ax2.legend(loc="upper center")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def train(model, train_tokens: np.ndarray, val_tokens: np.ndarray, val_bytes: int,
+          cfg: TrainConfig, device: torch.device, teacher=None) -> list[dict]:
+    """Train `model` in place; with `teacher`, distil its distribution into the model.
+
+    Checkpoints go to `<out>/checkpoint.safetensors` and a run resumes from there. Returns the
+    log (one dict per logged step). Stops early, resumable, after `cfg.max_minutes`.
+    """
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(device).train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    ckpt = out / "checkpoint.safetensors"
+    step, log = (_load_ckpt(ckpt, model, opt) if ckpt.is_file() else (0, []))
+    if step:
+        print(f"resumed from {ckpt} at step {step}", flush=True)
+    (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    t0 = time.time()
+    bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, mininterval=5,
+               desc="train " + out.name)
+    amp = dict(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+    for step in bar:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        xy = batch_at(train_tokens, step, cfg).to(device)
+        x, y = xy[:, :-1], xy[:, 1:]
+        with torch.autocast(**amp):
+            logits = model.compute_logits(model(x, _positions(x))).float()   # [B, S, V]
+            ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss = ce
+            if teacher is not None:
+                with torch.no_grad():
+                    t_logits = teacher.compute_logits(teacher(x, _positions(x))).float()
+                kl = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1),
+                              F.log_softmax(t_logits, -1).flatten(0, 1),
+                              log_target=True, reduction="batchmean")
+                loss = cfg.kd_alpha * kl + (1 - cfg.kd_alpha) * ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        rec = {"step": step + 1, "loss": round(ce.item(), 4), "lr": round(lr_at(step, cfg), 6),
+               "gnorm": round(gnorm.item(), 3), "time": round(time.time() - t0, 1)}
+        if teacher is not None:
+            rec["kl"] = round(kl.item(), 4)
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            rec["val_bpb"] = round(evaluate_bpb(model, val_tokens, val_bytes, cfg.seq_len,
+                                                device, cfg.bf16), 4)
+        log.append(rec)
+        bar.set_postfix(loss=rec["loss"], **({"val_bpb": rec["val_bpb"]} if "val_bpb" in rec else {}))
+        with open(out / "train_log.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        timed_out = cfg.max_minutes is not None and time.time() - t0 > cfg.max_minutes * 60
+        if (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps or timed_out:
+            _save_ckpt(ckpt, model, opt, step + 1, log)
+        if timed_out:
+            print(f"stopping after {cfg.max_minutes} minutes at step {step + 1}; run the same "
+                  "command again to resume", flush=True)
+            break
+    plot_losses(log, out / "loss.png", f"{out.name}: training")
+    return log
