@@ -96,3 +96,155 @@ def load_json_or_yaml_arg(value: str | None) -> dict | None:
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON/YAML mapping, got {type(data).__name__}")
     return data
+
+
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
+
+
+@dataclass
+class SpeculativeConfig:
+    """`speculative_config` (vLLM key names). Build from user input with `from_dict`."""
+
+    method: str | None = field(default=None, metadata={
+        "help": "ngram, suffix, draft_model, eagle, eagle3, medusa, mlp_speculator, mtp; "
+                "inferred from `model` when omitted"})
+    model: str | None = field(default=None, metadata={"help": "draft model or head directory"})
+    num_speculative_tokens: int | None = field(default=None, metadata={
+        "help": "K, most draft tokens per request per step"})
+    prompt_lookup_min: int | None = field(default=None, metadata={"help": "ngram: shortest match"})
+    prompt_lookup_max: int | None = field(default=None, metadata={"help": "ngram: longest match"})
+    suffix_decoding_max_tree_depth: int = field(default=24, metadata={
+        "help": "suffix: longest pattern matched / tree depth"})
+    suffix_decoding_max_cached_requests: int = field(default=10000, metadata={
+        "help": "suffix: past responses in the global tree (0 = none)"})
+    suffix_decoding_max_spec_factor: float = field(default=1.0, metadata={
+        "help": "suffix: draft length <= factor x match length"})
+    suffix_decoding_min_token_prob: float = field(default=0.1, metadata={
+        "help": "suffix: stop drafting below this running probability"})
+    draft_tensor_parallel_size: int = field(default=1, metadata={"help": "must be 1 here"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "context limit while speculating; default min(draft, target)"})
+    rejection_sample_method: str = field(default="strict", metadata={
+        "help": "strict (lossless, alias standard), probabilistic, synthetic (benchmarking)"})
+    synthetic_acceptance_rate: float | None = field(default=None, metadata={
+        "help": "synthetic only: probability that each draft token is accepted"})
+    draft_sample_method: str = field(default="greedy", metadata={
+        "help": "greedy or probabilistic drafting (draft_model)"})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SpeculativeConfig":
+        if isinstance(data, SpeculativeConfig):
+            return data
+        if not isinstance(data, dict):
+            raise ValueError(f"speculative_config must be a mapping, got {type(data).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key in _SAMPLING_KEYS:
+                raise ValueError(f"speculative_config key {key!r} is a sampling parameter; set "
+                                 "it in SamplingParams (or the request), not in speculative_config")
+            if key == "tensor_parallel_size":
+                raise ValueError("speculative_config key 'tensor_parallel_size' is not valid; "
+                                 "use 'draft_tensor_parallel_size'")
+            if key not in valid:
+                raise ValueError(f"unknown speculative_config key {key!r}; valid keys: "
+                                 f"{', '.join(valid)}")
+        return cls(**data)
+
+    def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = infer_method(self.model)
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method {self.method!r} is not known; use one "
+                             f"of {', '.join(METHODS)}")
+        if self.method in ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator") \
+                and not self.model:
+            raise ValueError(f"speculative_config method {self.method!r} needs 'model': the "
+                             "path of the draft model or head directory")
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config needs 'num_speculative_tokens' (an int > 0)")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be an int > 0, got "
+                             f"{self.num_speculative_tokens!r}")
+        if self.num_speculative_tokens > 128:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} is above "
+                             "the limit of 128")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram" and (lo is not None or hi is not None):
+            raise ValueError("prompt_lookup_min/prompt_lookup_max apply to method 'ngram' only")
+        if self.method == "ngram":
+            if lo is None and hi is None:
+                lo = hi = 5
+            lo = hi if lo is None else lo
+            hi = lo if hi is None else hi
+            if lo < 1 or hi < 1:
+                raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be >= 1, got "
+                                 f"{lo} and {hi}")
+            if lo > hi:
+                raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if self.suffix_decoding_max_tree_depth < 1:
+            raise ValueError("suffix_decoding_max_tree_depth must be >= 1, got "
+                             f"{self.suffix_decoding_max_tree_depth}")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be >= 0 (0 = no global "
+                             f"tree), got {self.suffix_decoding_max_cached_requests}")
+        if self.suffix_decoding_max_spec_factor < 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be >= 0, got "
+                             f"{self.suffix_decoding_max_spec_factor}")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1], got "
+                             f"{self.suffix_decoding_min_token_prob}")
+        if self.draft_tensor_parallel_size != 1:
+            raise ValueError("draft_tensor_parallel_size must be 1: specserve runs the draft "
+                             "on one device")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"speculative max_model_len must be >= 2, got {self.max_model_len}")
+        if self.rejection_sample_method == "standard":
+            self.rejection_sample_method = "strict"
+        if self.rejection_sample_method not in REJECTION_METHODS:
+            raise ValueError(f"rejection_sample_method {self.rejection_sample_method!r} is not "
+                             f"known; use one of {', '.join(REJECTION_METHODS)} (or 'standard')")
+        rate = self.synthetic_acceptance_rate
+        if self.rejection_sample_method == "synthetic":
+            if rate is None or not 0 <= rate <= 1:
+                raise ValueError("rejection_sample_method 'synthetic' needs "
+                                 f"synthetic_acceptance_rate in [0, 1], got {rate}")
+        elif rate is not None:
+            raise ValueError("synthetic_acceptance_rate is only used with "
+                             "rejection_sample_method 'synthetic'")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got "
+                             f"{self.draft_sample_method!r}")
+
+
+def infer_method(model: str | None) -> str:
+    """Method from the draft's config.json (model_type / architectures), then from its name."""
+    if model is None:
+        raise ValueError("speculative_config needs 'method' (ngram, suffix, ...) or 'model'")
+    hints = [Path(model).name.lower()]
+    cfg_path = Path(model) / "config.json"
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+        hints = [str(cfg.get("speculators_model_type", "")), str(cfg.get("model_type", "")),
+                 *map(str, cfg.get("architectures") or [])] + hints
+    for hint in hints:
+        h = hint.lower()
+        for key, method in (("eagle3", "eagle3"), ("eagle-3", "eagle3"), ("eagle", "eagle"),
+                            ("medusa", "medusa"), ("mlp_speculator", "mlp_speculator"),
+                            ("mlpspeculator", "mlp_speculator"), ("mtp", "mtp")):
+            if key in h:
+                return method
+    return "draft_model"
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: SpeculativeConfig | None = None
+    log_stats_interval_s: float = 0.0       # > 0: log spec metrics every so many seconds

@@ -1,0 +1,283 @@
+"""LLMEngine.step(): schedule -> run the target -> verify/sample -> update -> propose."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.config import EngineConfig, resolve_device, resolve_dtype
+from specserve.engine.request import Request, RequestStatus
+from specserve.engine.runner import ModelRunner
+from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.kv_cache import KVCache
+from specserve.metrics import SpecDecodingStats
+from specserve.models.loader import load_hf_config, load_model, read_json
+from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.proposers.base import ProposeBatch, Proposer
+from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
+from specserve.sampling.sampler import token_logprobs
+from specserve.sampling_params import SamplingParams
+from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger("specserve")
+
+
+def _eos_ids(model_dir: str, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """EOS ids from generation_config.json, config.json and the tokenizer."""
+    ids: set[int] = set()
+    gen_path = Path(model_dir) / "generation_config.json"
+    gen = read_json(gen_path) if gen_path.is_file() else {}
+    cfg = load_hf_config(model_dir)
+    for src in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, list):
+            ids.update(src)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def make_kv_cache(model: torch.nn.Module, num_slots: int, max_len: int) -> KVCache:
+    a = model.args
+    p = next(model.parameters())
+    return KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads, max_len, a.head_dim,
+                   p.dtype, p.device)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        mc = config.model_config
+        self.config = config
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype)
+        hf = load_hf_config(mc.model)
+        model_len = hf.get("max_position_embeddings", 2048)
+        if mc.max_model_len is not None and mc.max_model_len > model_len:
+            raise ValueError(f"max_model_len={mc.max_model_len} is larger than the model's "
+                             f"context ({model_len}, max_position_embeddings in config.json)")
+        self.max_model_len = mc.max_model_len or model_len
+        self.tokenizer = Tokenizer(mc.model) if (Path(mc.model) / "tokenizer.json").is_file() else None
+        self.model = load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len)
+        self.vocab_size = self.model.args.vocab_size
+        self.eos_token_ids = _eos_ids(mc.model, self.tokenizer)
+        sc = config.scheduler_config
+        self.cache = make_kv_cache(self.model, sc.max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.spec = config.speculative_config
+        self.proposer: Proposer | None = None
+        caches = [self.cache]
+        if self.spec is not None:
+            from specserve.proposers import build_proposer
+            self.proposer = build_proposer(self.spec, self)
+            caches += getattr(self.proposer, "caches", [])
+        self.scheduler = Scheduler(sc, caches)
+        self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec else 0
+        self.spec_stats = SpecDecodingStats(self.num_spec_tokens)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._start = time.monotonic()
+        self._last_log = self._start
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json; pass "
+                                 "TokensPrompt(prompt_token_ids=[...]) instead of text")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens, but the context length "
+                             f"(max_model_len) is {self.max_model_len}: shorten the prompt so "
+                             "that at least one token can be generated")
+        n = next(self._ids)
+        rid = request_id if request_id is not None else str(n)
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        gen = torch.Generator(device=self.device)
+        # Unseeded requests still get a reproducible stream: engine seed + arrival number.
+        gen.manual_seed(params.seed if params.seed is not None
+                        else (self.config.model_config.seed * 1_000_003 + n) % 2**63)
+        req = Request(
+            request_id=rid, prompt=text, prompt_token_ids=ids, params=params, generator=gen,
+            max_total_tokens=self.max_model_len,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            req.finish_reason = "abort"
+            self._finish(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns an output for every request that made progress."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        out = self.runner.execute(batch)
+        sampled = [b for b in batch if b.num_sample_rows]
+        emitted: dict[str, list[int]] = {}
+        if sampled:
+            vreqs = [VerifyRequest(b.request.spec_token_ids[:b.num_spec_tokens],
+                                   b.request.spec_token_probs, b.request.params,
+                                   b.request.generator) for b in sampled]
+            method = self.spec.rejection_sample_method if self.spec else "strict"
+            rate = self.spec.synthetic_acceptance_rate if self.spec else None
+            tokens = verify(out.logits, vreqs, method, rate).tolist()
+            row = 0
+            for b, toks in zip(sampled, tokens):
+                toks = [t for t in toks if t != PLACEHOLDER_TOKEN_ID]
+                emitted[b.request.request_id] = toks
+                self._update(b, toks, out.logits[row:row + b.num_sample_rows])
+                row += b.num_sample_rows
+        for b in batch:
+            if not b.num_sample_rows:                      # partial prefill
+                b.request.num_computed_tokens += b.num_new_tokens
+        outputs = [self._output(b.request) for b in batch
+                   if b.num_sample_rows or b.request.is_finished]
+        for b in batch:
+            if b.request.is_finished:
+                self.scheduler.finish(b.request)
+                self.requests.pop(b.request.request_id, None)
+                if self.proposer is not None:
+                    self.proposer.finish(b.request)
+        if self.proposer is not None:
+            self._propose(batch, out, emitted)
+        self._maybe_log()
+        return outputs
+
+    def _update(self, b: ScheduledRequest, tokens: list[int], logits: torch.Tensor) -> None:
+        req = b.request
+        k = b.num_spec_tokens
+        num_accepted = len(tokens) - 1
+        # KV was written for [last, d1..dk]; keep it for [last, d1..d_accepted] only.
+        req.num_computed_tokens += b.num_new_tokens - (k - num_accepted)
+        if k:
+            self.spec_stats.observe(k, num_accepted)
+            req.spec_metrics.num_drafts += 1
+            req.spec_metrics.num_draft_tokens += k
+            req.spec_metrics.num_accepted_tokens += num_accepted
+            per_pos = req.spec_metrics.accepted_per_pos
+            per_pos.extend([0] * (k - len(per_pos)))
+            for pos in range(num_accepted):
+                per_pos[pos] += 1
+        req.spec_token_ids = []
+        req.spec_token_probs = None
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        kept = self._append_tokens(req, tokens)
+        if req.logprobs is not None and kept:
+            req.logprobs.extend(token_logprobs(logits[:kept], tokens[:kept], req.params.logprobs))
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> int:
+        """Append emitted tokens one by one, stopping exactly where a stop condition hits.
+        Returns how many were kept."""
+        p = req.params
+        for i, tok in enumerate(tokens):
+            req.output_token_ids.append(tok)
+            req.all_token_ids.append(tok)
+            if tok in req.eos_token_ids:
+                self._stop(req, "stop", None)
+                return i + 1
+            if req.detokenizer is not None and self._append_text(req, req.detokenizer.add([tok])):
+                return i + 1
+            if tok in p.stop_token_ids:
+                self._stop(req, "stop", tok)
+                return i + 1
+            if req.max_new_tokens <= 0:
+                self._stop(req, "length", None)
+                return i + 1
+        return len(tokens)
+
+    def _append_text(self, req: Request, delta: str) -> bool:
+        """Append detokenized text; True when a stop string ended the request (text cut there)."""
+        if not delta or not req.params.stop_strings:
+            req.text += delta
+            return False
+        text = req.text + delta
+        start = len(req.text)
+        for s in req.params.stop_strings:
+            idx = text.find(s, max(0, start - len(s) + 1))
+            if idx != -1:
+                end = idx + len(s) if req.params.include_stop_str_in_output else idx
+                req.text = text[:end]
+                self._stop(req, "stop", s)
+                return True
+        req.text = text
+        return False
+
+    def _stop(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.status = RequestStatus.FINISHED
+        req.finish_time = time.monotonic()
+
+    def _finish(self, req: Request) -> None:
+        self.scheduler.finish(req)
+        if self.proposer is not None:
+            self.proposer.finish(req)
+
+    def _propose(self, batch: list[ScheduledRequest], out, emitted: dict[str, list[int]]) -> None:
+        reqs, budgets, index, counts = [], [], [], []
+        for i, b in enumerate(batch):
+            r = b.request
+            if r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
+                continue
+            room = min(self.num_spec_tokens, r.max_new_tokens - 1)
+            if room <= 0:
+                continue
+            reqs.append(r)
+            budgets.append(room)
+            index.append(i)
+            counts.append(len(emitted.get(r.request_id, [])))
+        if not reqs:
+            return
+        proposals = self.proposer.propose(ProposeBatch(reqs, budgets, out, index, counts))
+        for r, prop, room in zip(reqs, proposals, budgets):
+            assert len(prop.token_ids) <= room, "a proposer returned more drafts than allowed"
+            r.spec_token_ids = list(prop.token_ids)
+            r.spec_token_probs = prop.probs
+
+    def _maybe_log(self) -> None:
+        interval = self.config.log_stats_interval_s
+        now = time.monotonic()
+        if interval > 0 and self.spec is not None and now - self._last_log >= interval:
+            logger.info(self.spec_stats.log_line(now - self._start))
+            self._last_log = now
+
+    def _output(self, req: Request) -> RequestOutput:
+        comp = CompletionOutput(0, req.text, list(req.output_token_ids), req.finish_reason,
+                                req.stop_reason, list(req.logprobs) if req.logprobs is not None else None)
+        metrics = {"arrival_time": req.arrival_time}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        if req.finish_time is not None:
+            metrics["finish_time"] = req.finish_time
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
+                             req.is_finished, req.spec_metrics if self.spec else None, metrics)
+
+    def get_metrics(self) -> dict:
+        return self.spec_stats.as_dict()
+
+

@@ -1,0 +1,72 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.outputs import SpecDecodeRequestMetrics
+from specserve.sampling_params import SamplingParams
+from specserve.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator          # per-request randomness: batch-independent sampling
+    max_total_tokens: int               # prompt + output never exceed this (max_model_len)
+    eos_token_ids: frozenset[int] = frozenset()
+    detokenizer: IncrementalDetokenizer | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0        # tokens whose KV is in the cache; rollback = decrease
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify next step
+    spec_token_probs: torch.Tensor | None = None               # [k, vocab] draft probs or None
+    slot: int | None = None             # KV-cache slot while running
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    spec_metrics: SpecDecodeRequestMetrics = field(default_factory=SpecDecodeRequestMetrics)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Output tokens still allowed by max_tokens and the context length."""
+        cap = self.max_total_tokens - self.num_tokens
+        if self.params.max_tokens is not None:
+            cap = min(cap, self.params.max_tokens - len(self.output_token_ids))
+        return cap

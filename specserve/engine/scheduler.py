@@ -1,0 +1,86 @@
+"""Continuous batching under a per-step token budget.
+
+There is no prefill or decode phase: each step every scheduled request gets the tokens it still
+lacks KV for (`num_tokens - num_computed_tokens`, plus its pending drafts), clipped to the
+budget. Long prompts are therefore prefilled in chunks, and a decode step with k drafts is simply
+a request with 1 + k new tokens. Running requests go first; waiting ones join when a KV slot and
+budget are free, and requests leave as soon as they finish.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specserve.config import SchedulerConfig
+from specserve.engine.request import Request, RequestStatus
+from specserve.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int          # tokens fed to the model this step
+    num_spec_tokens: int         # of which trailing drafts to verify (0 = none)
+    num_sample_rows: int         # logits rows to sample from: 0 (partial prefill) or 1 + drafts
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, caches: list[KVCache]) -> None:
+        self.config = config
+        self.caches = caches          # the target's cache, plus a draft model's if any
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.config.max_num_batched_tokens
+        out: list[ScheduledRequest] = []
+        for req in self.running:
+            if budget <= 0:
+                break
+            item = self._plan(req, budget)
+            out.append(item)
+            budget -= item.num_new_tokens
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and self.caches[0].num_free_slots > 0):
+            req = self.waiting.popleft()
+            req.slot = self.caches[0].allocate()
+            for c in self.caches[1:]:
+                assert c.allocate() == req.slot, "draft and target caches allocate in lockstep"
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            item = self._plan(req, budget)
+            out.append(item)
+            budget -= item.num_new_tokens
+        return out
+
+    @staticmethod
+    def _plan(req: Request, budget: int) -> ScheduledRequest:
+        missing = req.num_tokens - req.num_computed_tokens   # >= 1
+        if missing > budget:                                 # prompt chunk; drafts wait
+            req.spec_token_ids = []
+            req.spec_token_probs = None
+            return ScheduledRequest(req, budget, 0, 0)
+        k = min(len(req.spec_token_ids), budget - missing)
+        if k < len(req.spec_token_ids):
+            req.spec_token_ids = req.spec_token_ids[:k]
+            if req.spec_token_probs is not None:
+                req.spec_token_probs = req.spec_token_probs[:k]
+        return ScheduledRequest(req, missing + k, k, 1 + k)
+
+    def finish(self, req: Request) -> None:
+        """Remove a finished or aborted request and free its KV slot."""
+        if req in self.running:
+            self.running.remove(req)
+            for c in self.caches:
+                c.free(req.slot)
+            req.slot = None
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED

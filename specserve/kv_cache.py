@@ -1,0 +1,37 @@
+"""KV storage: one slot per running request, each slot holding up to `max_len` positions.
+
+Writes go to explicit (slot, position) pairs, so a verify step appends k+1 tokens in place and
+rejected drafts are rolled back by decreasing the request's `num_computed_tokens`: the next step
+overwrites those positions. Nothing is ever copied to undo.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        # per layer: (keys, values), each [num_slots, num_kv_heads, max_len, head_dim]
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        assert self._free, "no free KV slot; the scheduler must check num_free_slots"
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        assert slot not in self._free and 0 <= slot < self.num_slots
+        self._free.append(slot)
+
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)

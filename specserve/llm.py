@@ -1,0 +1,87 @@
+"""`LLM`: the offline facade over LLMEngine (vLLM's shape)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from specserve.config import EngineConfig, ModelConfig, SchedulerConfig
+from specserve.engine.engine import LLMEngine
+from specserve.inputs import PromptType
+from specserve.outputs import RequestOutput
+from specserve.sampling_params import SamplingParams
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def build_engine_config(model: str, speculative_config: dict | None = None,
+                        **kwargs) -> EngineConfig:
+    """Split keyword arguments over the config dataclasses; unknown names are an error."""
+    from specserve.config import SpeculativeConfig
+    known = _fields(ModelConfig) | _fields(SchedulerConfig) | {"log_stats_interval_s"}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known)}")
+    mc = ModelConfig(model=model, **{k: v for k, v in kwargs.items() if k in _fields(ModelConfig)})
+    sc = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in _fields(SchedulerConfig)})
+    spec = (SpeculativeConfig.from_dict(speculative_config)
+            if speculative_config is not None else None)
+    return EngineConfig(mc, sc, spec, kwargs.get("log_stats_interval_s", 0.0))
+
+
+class LLM:
+    """Generate text offline.
+
+    >>> llm = LLM(model="models/code-target", dtype="float32", device="cpu", seed=0)
+    >>> llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=32))
+    """
+
+    def __init__(self, model: str, speculative_config: dict | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(build_engine_config(model, speculative_config, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                                 "give one, or one per prompt")
+        ids = []
+        for p, sp in zip(prompts, params):
+            if isinstance(p, dict):
+                if "prompt_token_ids" not in p:
+                    raise ValueError("a dict prompt must be TokensPrompt(prompt_token_ids=[...])")
+                ids.append(self.engine.add_request(list(p["prompt_token_ids"]), sp))
+            elif isinstance(p, str):
+                ids.append(self.engine.add_request(p, sp))
+            else:
+                raise TypeError(f"prompt of type {type(p).__name__} is not supported; give a "
+                                "string or TokensPrompt")
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    def get_metrics(self) -> dict:
+        return self.engine.get_metrics()

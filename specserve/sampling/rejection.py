@@ -1,0 +1,125 @@
+"""Verification of draft tokens: the output keeps exactly the target's distribution.
+
+Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318). Terms:
+- accepted tokens: drafts d_i that pass the test;
+- recovered token: at the first rejection, a token drawn from norm(max(p_i - q_i, 0));
+- bonus token: drawn from row k of the target when all k drafts were accepted.
+Output tokens = accepted + recovered or bonus, so 1..k+1 tokens per request per step.
+
+Greedy (temperature 0): d_i is accepted iff it equals argmax p_i; the first mismatch emits
+argmax p_i. Random: accept d_i iff u < p_i(d_i) / q_i(d_i) with u ~ U[0, 1) in float64 from the
+request's generator; q_i is one-hot on d_i when the proposer gives no probabilities. Target rows
+are processed with the request's temperature/top-k/top-p/min-p before the test. A request with
+k = 0 drafts gets ordinary sampling from its single row, so one path serves every request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.sampling.sampler import process_logits, sample_from
+from specserve.sampling_params import SamplingParams
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass(slots=True)
+class VerifyRequest:
+    """One request's share of a verify step."""
+
+    draft_token_ids: list[int]              # k drafts (k >= 0); logits rows = k + 1
+    draft_probs: torch.Tensor | None        # [k, V] proposer probabilities, None = one-hot drafts
+    params: SamplingParams
+    generator: torch.Generator
+
+
+def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "strict",
+           synthetic_acceptance_rate: float | None = None) -> torch.Tensor:
+    """Verify every request's drafts against its k+1 target rows.
+
+    logits: [sum(k_i + 1), V] float32 target logits, request-major.
+    method: "strict" (drafts one-hot, the default), "probabilistic" (uses draft_probs in the
+    ratio test) or "synthetic" (acceptance drawn at `synthetic_acceptance_rate`, independent of
+    the target; for benchmarking only - the output is then not the target's distribution).
+    Returns [batch, max_k + 1] int64, padded with PLACEHOLDER_TOKEN_ID.
+    """
+    max_k = max(len(r.draft_token_ids) for r in reqs)
+    out = torch.full((len(reqs), max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    offsets, o = [], 0
+    for r in reqs:
+        offsets.append(o)
+        o += len(r.draft_token_ids) + 1
+    assert o == logits.shape[0], "one logits row per draft plus one bonus row per request"
+
+    greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
+    if greedy:
+        argmax = logits.argmax(dim=-1).tolist()          # one sync for all rows
+    random_ids = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
+    probs_of: dict[int, torch.Tensor] = {}
+    if random_ids:
+        rows = torch.cat([torch.arange(offsets[i], offsets[i] + len(reqs[i].draft_token_ids) + 1)
+                          for i in random_ids])
+        row_params = [reqs[i].params for i in random_ids
+                      for _ in range(len(reqs[i].draft_token_ids) + 1)]
+        probs = process_logits(logits[rows], row_params)                   # [n_rows, V]
+        p0 = 0
+        for i in random_ids:
+            n = len(reqs[i].draft_token_ids) + 1
+            probs_of[i] = probs[p0:p0 + n]
+            p0 += n
+
+    for i, r in enumerate(reqs):
+        k = len(r.draft_token_ids)
+        if r.params.is_greedy:
+            emitted = _verify_greedy(argmax[offsets[i]:offsets[i] + k + 1], r, method,
+                                     synthetic_acceptance_rate)
+        else:
+            emitted = _verify_random(probs_of[i], r, method, synthetic_acceptance_rate)
+        out[i, :len(emitted)] = torch.tensor(emitted)
+    return out
+
+
+def _synthetic_accepts(r: VerifyRequest, rate: float) -> list[bool]:
+    u = torch.rand(len(r.draft_token_ids), dtype=torch.float64, generator=r.generator)
+    return (u < rate).tolist()
+
+
+def _verify_greedy(argmax: list[int], r: VerifyRequest, method: str, rate: float | None
+                   ) -> list[int]:
+    k = len(r.draft_token_ids)
+    accepts = (_synthetic_accepts(r, rate) if method == "synthetic"
+               else [argmax[j] == r.draft_token_ids[j] for j in range(k)])
+    for j in range(k):
+        if not accepts[j]:
+            return r.draft_token_ids[:j] + [argmax[j]]
+    return r.draft_token_ids + [argmax[k]]
+
+
+def _verify_random(p: torch.Tensor, r: VerifyRequest, method: str, rate: float | None
+                   ) -> list[int]:
+    # p: [k + 1, V] processed target probabilities
+    k = len(r.draft_token_ids)
+    q = r.draft_probs if method == "probabilistic" else None
+    if k:
+        if method == "synthetic":
+            accepts = _synthetic_accepts(r, rate)
+        else:
+            d = torch.tensor(r.draft_token_ids)
+            p_d = p[torch.arange(k), d].double()                           # [k]
+            q_d = q[torch.arange(k), d].double() if q is not None else torch.ones(k, dtype=torch.float64)
+            u = torch.rand(k, dtype=torch.float64, generator=r.generator)
+            # q_d == 0 cannot happen for a sampled draft; guard it as a rejection.
+            accepts = ((q_d > 0) & (u * q_d < p_d)).tolist()
+        for j in range(k):
+            if not accepts[j]:
+                if q is not None:
+                    residual = (p[j] - q[j]).clamp_min(0)
+                else:
+                    residual = p[j].clone()
+                    residual[r.draft_token_ids[j]] = 0
+                if residual.sum() <= 0:        # p == q: any draw from p is exact
+                    residual = p[j]
+                return r.draft_token_ids[:j] + [sample_from(residual, r.generator)]
+    return r.draft_token_ids + [sample_from(p[k], r.generator)]
