@@ -1,0 +1,115 @@
+"""A small LM with the target's tokenizer drafts K tokens autoregressively.
+
+The draft keeps its own KV cache, allocated in lockstep with the target's (same slot per
+request). Per request it remembers how many tokens its cache holds; drafts that the target
+rejected are forgotten by lowering that count, exactly like the target's rollback. Each engine
+step runs one ragged catch-up pass (the tokens the draft has not seen: the last accepted token
+and the bonus/recovered one, or the whole prompt at first) and then K-1 one-token passes,
+batched across requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import SpeculativeConfig
+from specserve.engine.runner import build_metadata
+from specserve.models.loader import load_hf_config, load_model
+from specserve.proposers.base import Proposal, ProposeBatch
+from specserve.sampling.sampler import sample_from
+
+
+@dataclass
+class _DraftState:
+    num_computed: int = 0          # tokens of the request whose KV the draft cache holds
+    fed_drafts: list[int] | None = None   # drafts fed last step (beyond num_computed)
+
+
+class DraftModelProposer:
+    def __init__(self, config: SpeculativeConfig, engine) -> None:
+        from specserve.engine.engine import make_kv_cache
+        draft_cfg = load_hf_config(config.model)
+        draft_len = draft_cfg.get("max_position_embeddings", 2048)
+        limit = min(draft_len, engine.max_model_len, config.max_model_len or draft_len)
+        engine.max_model_len = limit
+        self.model = load_model(config.model, engine.dtype, engine.device, max_len=limit)
+        if self.model.args.vocab_size != engine.vocab_size:
+            raise ValueError(
+                f"draft model {config.model} has vocab_size {self.model.args.vocab_size} but the "
+                f"target has {engine.vocab_size}; a draft must share the target's vocabulary")
+        self.cache = make_kv_cache(self.model, engine.cache.num_slots, limit)
+        self.caches = [self.cache]
+        self.device = engine.device
+        self.sample = config.draft_sample_method == "probabilistic"
+        self.state: dict[str, _DraftState] = {}
+
+    def _forward(self, reqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Feed each request its tokens at `starts`; returns logits of each one's last token."""
+        lens = [len(t) for t in token_lists]
+        md, positions = build_metadata(starts, lens, [r.slot for r in reqs], self.device)
+        ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long,
+                           device=self.device)
+        hidden = self.model(ids, positions, md, self.cache.layers)           # [T, H]
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        return self.model.compute_logits(hidden[last]).float()              # [B, V]
+
+    def _pick(self, logits: torch.Tensor, reqs) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Next draft token per row: argmax, or a temperature sample with its probabilities."""
+        if not self.sample:
+            return logits.argmax(dim=-1).tolist(), [None] * len(reqs)
+        toks, probs = [], []
+        for row, r in zip(logits, reqs):
+            if r.params.is_greedy:
+                toks.append(int(row.argmax()))
+                probs.append(torch.nn.functional.one_hot(row.argmax(), row.numel()).float())
+            else:
+                p = (row / r.params.temperature).softmax(-1)
+                toks.append(sample_from(p, r.generator))
+                probs.append(p)
+        return toks, probs
+
+    @torch.inference_mode()
+    def propose(self, batch: ProposeBatch) -> list[Proposal]:
+        reqs, budgets = batch.requests, batch.max_num_tokens
+        starts, feeds = [], []
+        for r in reqs:
+            st = self.state.setdefault(r.request_id, _DraftState())
+            if st.fed_drafts:                   # keep KV of drafts the target accepted
+                n = st.num_computed
+                ok = 0
+                while (ok < len(st.fed_drafts) and n + ok < r.num_tokens
+                       and r.all_token_ids[n + ok] == st.fed_drafts[ok]):
+                    ok += 1
+                st.num_computed = n + ok
+            st.fed_drafts = None
+            starts.append(st.num_computed)
+            feeds.append(r.all_token_ids[st.num_computed:])
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
+        active = list(range(len(reqs)))
+        logits = self._forward(reqs, feeds, starts)
+        for i, r in enumerate(reqs):
+            self.state[r.request_id].num_computed = r.num_tokens
+        while True:
+            toks, ps = self._pick(logits, [reqs[i] for i in active])
+            for i, t, p in zip(active, toks, ps):
+                drafts[i].append(t)
+                probs[i].append(p)
+            active = [i for i in active if len(drafts[i]) < budgets[i]]
+            if not active:
+                break
+            sub = [reqs[i] for i in active]
+            logits = self._forward(sub, [[drafts[i][-1]] for i in active],
+                                   [reqs[i].num_tokens + len(drafts[i]) - 1 for i in active])
+        out = []
+        for i, r in enumerate(reqs):
+            # Drafts 1..k-1 were fed to the draft model; their KV is kept if accepted.
+            self.state[r.request_id].fed_drafts = drafts[i][:-1]
+            p = torch.stack(probs[i]) if self.sample else None
+            out.append(Proposal(drafts[i], p))
+        return out
+
+    def finish(self, request) -> None:
+        self.state.pop(request.request_id, None)

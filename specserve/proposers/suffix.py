@@ -1,0 +1,159 @@
+"""Suffix decoding (Oliaro et al. 2024; ArcticInference's path speculation).
+
+Each request has a local suffix tree over its prompt and output; a global tree holds past
+responses (FIFO-evicted beyond `suffix_decoding_max_cached_requests`). Trees store every
+substring of length <= `max_tree_depth` with its occurrence count, so appending a token costs
+O(depth). To draft, for each match length m = 1, 2, ... while the last m tokens occur in the
+tree, follow the most frequent child while the running probability count(child)/count(node)
+stays >= `min_token_prob`, for at most min(K, floor(m * max_spec_factor)) tokens. The draft with
+the highest score (sum of its token probabilities; ties to the longer match) wins; the global
+tree's draft replaces the local one only when it scores strictly higher.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from specserve.config import SpeculativeConfig
+from specserve.proposers.base import Proposal, ProposeBatch
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    count: int = 0
+    children: dict[int, "Node"] = field(default_factory=dict)
+    best: "tuple[int, Node] | None" = None        # most frequent child, kept up to date
+
+
+class SuffixTree:
+    """Counts of all substrings of length <= depth of the sequences added to it."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.root = Node()
+
+    def cursor(self) -> list[Node]:
+        """Nodes of the suffixes (lengths 0..depth-1) ending at the current end of a sequence."""
+        return [self.root]
+
+    def append(self, cursor: list[Node], token: int, delta: int = 1) -> list[Node]:
+        """Add (delta=1) or remove (delta=-1) one token of a sequence; returns the new cursor."""
+        nxt = [self.root]
+        for node in cursor:
+            child = node.children.get(token)
+            if child is None:
+                assert delta > 0, "removing a substring that was never added"
+                child = node.children[token] = Node()
+            child.count += delta
+            if delta > 0:
+                if node.best is None or child.count > node.best[1].count:
+                    node.best = (token, child)
+            else:
+                if child.count == 0:
+                    del node.children[token]
+                if node.best is not None and node.best[1] is child:
+                    node.best = max(node.children.items(), key=lambda kv: kv[1].count,
+                                    default=None)
+            if len(nxt) < self.depth:
+                nxt.append(child)
+        return nxt
+
+    def add(self, tokens: list[int], delta: int = 1) -> None:
+        cur = self.cursor()
+        for t in tokens:
+            cur = self.append(cur, t, delta)
+
+    def speculate(self, context: list[int], max_tokens: int, spec_factor: float,
+                  min_prob: float) -> tuple[list[int], float]:
+        """Best draft continuing `context`; returns (tokens, score)."""
+        best, best_score = [], 0.0
+        n = len(context)
+        for m in range(1, min(self.depth, n) + 1):
+            node = self.root
+            for t in context[n - m:]:
+                node = node.children.get(t)
+                if node is None:
+                    return best, best_score       # longer matches cannot exist either
+            limit = min(max_tokens, math.floor(m * spec_factor))
+            draft, score, prob = [], 0.0, 1.0
+            while len(draft) < limit and node.best is not None:
+                tok, child = node.best
+                prob *= child.count / node.count
+                if prob < min_prob:
+                    break
+                draft.append(tok)
+                score += prob
+                node = child
+            if draft and score >= best_score:
+                best, best_score = draft, score
+        return best, best_score
+
+
+@dataclass
+class _RequestState:
+    local_cursor: list[Node]
+    global_cursor: list[Node]
+    num_seen: int                 # tokens of the request already added to the trees
+    response: list[int]           # output tokens (what the global tree keeps)
+
+
+class SuffixProposer:
+    def __init__(self, config: SpeculativeConfig, engine=None) -> None:
+        self.depth = config.suffix_decoding_max_tree_depth
+        self.max_cached = config.suffix_decoding_max_cached_requests
+        self.spec_factor = config.suffix_decoding_max_spec_factor
+        self.min_prob = config.suffix_decoding_min_token_prob
+        self.global_tree = SuffixTree(self.depth)
+        self.cached: OrderedDict[str, list[int]] = OrderedDict()   # finished responses, FIFO
+        self.local: dict[str, SuffixTree] = {}
+        self.state: dict[str, _RequestState] = {}
+
+    def _sync(self, req) -> _RequestState:
+        """Add the request's tokens that the trees have not seen yet."""
+        st = self.state.get(req.request_id)
+        if st is None:
+            tree = self.local[req.request_id] = SuffixTree(self.depth)
+            st = self.state[req.request_id] = _RequestState(
+                tree.cursor(), self.global_tree.cursor(), 0, [])
+        tree = self.local[req.request_id]
+        n_prompt = req.num_prompt_tokens
+        for i in range(st.num_seen, req.num_tokens):
+            tok = req.all_token_ids[i]
+            st.local_cursor = tree.append(st.local_cursor, tok)
+            if i >= n_prompt:
+                st.response.append(tok)
+                if self.max_cached:
+                    st.global_cursor = self.global_tree.append(st.global_cursor, tok)
+        st.num_seen = req.num_tokens
+        return st
+
+    def propose(self, batch: ProposeBatch) -> list[Proposal]:
+        out = []
+        for req, k in zip(batch.requests, batch.max_num_tokens):
+            self._sync(req)
+            context = req.all_token_ids[-self.depth:]
+            draft, score = self.local[req.request_id].speculate(
+                context, k, self.spec_factor, self.min_prob)
+            if self.max_cached:
+                g_draft, g_score = self.global_tree.speculate(
+                    context, k, self.spec_factor, self.min_prob)
+                if g_score > score:
+                    draft = g_draft
+            out.append(Proposal(draft))
+        return out
+
+    def finish(self, request) -> None:
+        """Keep the finished response in the global tree; evict the oldest past the limit."""
+        if request.request_id not in self.state:
+            return
+        self._sync(request)
+        st = self.state.pop(request.request_id)
+        self.local.pop(request.request_id)
+        if not self.max_cached:
+            return
+        self.cached[request.request_id + f"#{id(st)}"] = st.response
+        while len(self.cached) > self.max_cached:
+            _, old = self.cached.popitem(last=False)
+            self.global_tree.add(old, delta=-1)
