@@ -1,0 +1,159 @@
+"""`specserve generate|serve|bench|train|zoo`: parse arguments and dispatch, nothing else.
+
+Flags and their defaults come from the config dataclasses (one source of defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from specserve.config import ModelConfig, SchedulerConfig, load_json_or_yaml_arg
+
+
+def _arg_type(f: dataclasses.Field):
+    t = str(f.type)
+    for name, typ in (("bool", bool), ("int", int), ("float", float)):
+        if t.startswith(name):
+            return typ
+    return str
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not f.init:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "")
+        if _arg_type(f) is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                                help=help_)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            parser.add_argument(flag, type=_arg_type(f), required=True, help=help_)
+        else:
+            parser.add_argument(flag, type=_arg_type(f), default=default,
+                                help=f"{help_} (default: {default})")
+
+
+def dataclass_kwargs(args: argparse.Namespace, cls, skip: tuple[str, ...] = ()) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+            if f.init and f.name not in skip and hasattr(args, f.name)}
+
+
+def _engine_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="local Hugging Face model directory")
+    add_dataclass_args(p, ModelConfig, skip=("model",))
+    add_dataclass_args(p, SchedulerConfig)
+    p.add_argument("--speculative-config", default=None,
+                   help="JSON object, or @file.json / @file.yaml (see README)")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict:
+    return (dataclass_kwargs(args, ModelConfig, skip=("model",))
+            | dataclass_kwargs(args, SchedulerConfig))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from specserve import LLM, SamplingParams
+    spec = load_json_or_yaml_arg(args.speculative_config)
+    llm = LLM(args.model, speculative_config=spec, **_engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.request_seed, max_tokens=args.max_tokens,
+                            ignore_eos=args.ignore_eos)
+    t0 = time.perf_counter()
+    out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    dt = time.perf_counter() - t0
+    comp = out.outputs[0]
+    print(args.prompt + comp.text)
+    n = len(comp.token_ids)
+    print(f"\n[{n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s, finish_reason={comp.finish_reason}]",
+          file=sys.stderr)
+    if spec is not None:
+        m = llm.get_metrics()
+        per_pos = [a / m["spec_decode_num_drafts"] if m["spec_decode_num_drafts"] else 0.0
+                   for a in m["spec_decode_num_accepted_tokens_per_pos"]]
+        print(f"[speculation: mean acceptance length {m['mean_acceptance_length']:.2f}, "
+              f"acceptance rate {m['acceptance_rate']:.1%}, drafts {m['spec_decode_num_drafts']}, "
+              f"per-position acceptance {[round(x, 3) for x in per_pos]}]", file=sys.stderr)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from specserve.train.lm import ModelShape, train_draft, train_lm
+    from specserve.train.trainer import TrainConfig
+    cfg = TrainConfig(**dataclass_kwargs(args, TrainConfig))
+    shape = ModelShape(**dataclass_kwargs(args, ModelShape))
+    if args.kind == "lm":
+        bpb = train_lm(cfg, shape, Path(args.export), vocab_size=args.vocab_size)
+    else:
+        bpb = train_draft(cfg, shape, Path(args.target), Path(args.export))
+    print(json.dumps({"val_bits_per_byte": bpb, "model": args.export}))
+
+
+def cmd_zoo(args: argparse.Namespace) -> None:
+    from specserve.train.zoo import build_zoo
+    build_zoo(args.out, max_minutes=args.max_minutes, device=args.device)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from specserve.bench.offline import main as bench_main
+    bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from specserve.train.lm import ModelShape
+    from specserve.train.trainer import TrainConfig
+    parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one prompt and print it with tokens/s")
+    _engine_parser(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--request-seed", type=int, default=None, help="seed of this request")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    t = sub.add_parser("train", help="train a model: lm (pretraining) or draft (distillation)")
+    t.add_argument("kind", choices=["lm", "draft"])
+    t.add_argument("--export", required=True, help="final HF model directory")
+    t.add_argument("--target", help="draft: the target model directory")
+    t.add_argument("--vocab-size", type=int, default=8192, help="lm: BPE vocabulary size")
+    add_dataclass_args(t, TrainConfig)
+    add_dataclass_args(t, ModelShape)
+    t.set_defaults(func=cmd_train)
+
+    z = sub.add_parser("zoo", help="rebuild the bundled model zoo")
+    z.add_argument("action", choices=["build"])
+    z.add_argument("--out", default="models")
+    z.add_argument("--max-minutes", type=float, default=None,
+                   help="stop each stage after this long (resumable)")
+    z.add_argument("--device", default="auto")
+    z.set_defaults(func=cmd_zoo)
+
+    b = sub.add_parser("bench", help="benchmarks (see `specserve bench latency --help`)")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "train" and args.kind == "draft" and not args.target:
+        raise SystemExit("specserve train draft: --target DIR is required")
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""`specserve zoo build`: the whole recipe of the bundled models, seeded and resumable.
+
+Stages (each resumes from its checkpoint in `<work>/`):
+1. byte-level BPE tokenizer (8192 tokens) on the stdlib training files;
+2. models/code-target: 22M-parameter Llama, 2600 steps x 8 x 512 tokens (about 1.25 epochs);
+3. models/code-draft: 2.4M-parameter Llama distilled from the target (KL on corpus text).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specserve.train.lm import ModelShape, train_draft, train_lm
+from specserve.train.trainer import TrainConfig
+
+TARGET_SHAPE = ModelShape()     # 384 wide, 10 layers, 6 heads / 2 KV heads, untied: 22.0M
+DRAFT_SHAPE = ModelShape(hidden_size=192, num_layers=2, num_heads=3, num_kv_heads=1,
+                         intermediate_size=512, tie_embeddings=True)          # 2.4M
+
+
+def target_config(work: Path, **kw) -> TrainConfig:
+    return TrainConfig(out=str(work / "code-target"), steps=2600, batch_size=8, seq_len=512,
+                       lr=1.5e-3, warmup=100, eval_every=500, ckpt_every=50, **kw)
+
+
+def draft_config(work: Path, **kw) -> TrainConfig:
+    return TrainConfig(out=str(work / "code-draft"), steps=1000, batch_size=8, seq_len=512,
+                       lr=2e-3, warmup=50, eval_every=400, ckpt_every=50, **kw)
+
+
+def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None = None,
+              device: str = "auto") -> None:
+    out_dir, work_dir = Path(out), Path(work)
+    kw = {"max_minutes": max_minutes, "device": device}
+    bpb = train_lm(target_config(work_dir, **kw), TARGET_SHAPE, out_dir / "code-target",
+                   tokenizer_dir=work_dir / "tokenizer")
+    print(f"code-target: val bits/byte {bpb:.4f}", flush=True)
+    if bpb != bpb:      # NaN: stopped on the time limit
+        return
+    bpb = train_draft(draft_config(work_dir, **kw), DRAFT_SHAPE, out_dir / "code-target",
+                      out_dir / "code-draft")
+    print(f"code-draft: val bits/byte {bpb:.4f}", flush=True)

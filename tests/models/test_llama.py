@@ -1,0 +1,83 @@
+"""Logits of every supported architecture equal transformers' (prefill, decode, ragged, verify)."""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.runner import build_metadata
+from specserve.kv_cache import KVCache
+from specserve.models.loader import load_model
+
+TOL = 1e-4
+
+
+class Stepper:
+    """Drive our model with a KV cache the way the runner does."""
+
+    def __init__(self, path, num_slots: int = 4):
+        self.model = load_model(path, torch.float32, torch.device("cpu"))
+        a = self.model.args
+        self.cache = KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads, 256,
+                             a.head_dim, torch.float32, torch.device("cpu"))
+
+    @torch.inference_mode()
+    def run(self, feeds: list[list[int]], starts: list[int], slots: list[int]) -> list[torch.Tensor]:
+        md, pos = build_metadata(starts, [len(f) for f in feeds], slots, torch.device("cpu"))
+        ids = torch.tensor([t for f in feeds for t in f])
+        logits = self.model.compute_logits(self.model(ids, pos, md, self.cache.layers))
+        return list(logits.split([len(f) for f in feeds]))
+
+
+def ref_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def test_prefill_matches(hf_model):
+    _, path, hf = hf_model
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = Stepper(path).run([ids], [0], [0])[0]
+    assert (out - ref_logits(hf, ids)).abs().max() <= TOL
+
+
+def test_decode_step_by_step_matches(hf_model):
+    _, path, hf = hf_model
+    ids = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = ref_logits(hf, ids)
+    s = Stepper(path)
+    s.run([ids[:10]], [0], [2])
+    for i in range(10, 30):
+        out = s.run([[ids[i]]], [i], [2])[0]
+        assert (out[0] - ref[i]).abs().max() <= TOL, f"position {i}"
+
+
+def test_ragged_batch_matches(hf_model):
+    _, path, hf = hf_model
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (7, 33, 1, 18)]
+    s = Stepper(path)
+    # Mixed step: whole prompts for three requests, the fourth only partly (a prompt chunk).
+    outs = s.run([seqs[0], seqs[1], seqs[2], seqs[3][:5]], [0, 0, 0, 0], [0, 1, 2, 3])
+    for seq, out in zip(seqs[:3], outs):
+        assert (out - ref_logits(hf, seq)).abs().max() <= TOL
+    # Next step: the rest of request 3 together with one decode token for the others.
+    ext = [seq + [5] for seq in seqs[:3]]
+    outs = s.run([[5], [5], [5], seqs[3][5:]], [7, 33, 1, 5], [0, 1, 2, 3])
+    for seq, out in zip(ext, outs[:3]):
+        assert (out[0] - ref_logits(hf, seq)[-1]).abs().max() <= TOL
+    assert (outs[3] - ref_logits(hf, seqs[3])[5:]).abs().max() <= TOL
+
+
+def test_verify_step_after_rollback_matches(hf_model):
+    _, path, hf = hf_model
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 96, (20,), generator=g).tolist()
+    wrong = [1, 2, 3, 4]
+    right = [9, 8, 7, 6]
+    s = Stepper(path)
+    s.run([prompt], [0], [1])
+    s.run([wrong], [20], [1])                  # drafts that get rejected: KV written at 20..23
+    # Roll back by counter: the next step writes again from position 21 (one draft accepted).
+    seq = prompt + wrong[:1] + right
+    out = s.run([right], [21], [1])[0]          # a (k+1)-token verify step, k = 3
+    assert (out - ref_logits(hf, seq)[21:]).abs().max() <= TOL

@@ -1,0 +1,101 @@
+"""The verifier keeps the target distribution (statistical test with a bound a wrong verifier
+fails), greedy rules, padding, and synthetic acceptance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specserve.sampling.rejection as rejection
+from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
+from specserve.sampling.sampler import process_logits
+from specserve.sampling_params import SamplingParams
+
+V = 6
+N = 12000
+TV_BOUND = 0.03     # sampling noise at N=12000, V=6 is ~0.01; a wrong verifier is off by > 0.1
+
+
+def _setup(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    target_logits = torch.randn(3, V, generator=g) * 2          # rows: d1, d2, bonus
+    draft_probs = torch.softmax(torch.randn(2, V, generator=g) * 2, dim=-1)
+    return target_logits, draft_probs
+
+
+def _first_token_hist(method: str, params: SamplingParams, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    target_logits, q = _setup(seed)
+    p = process_logits(target_logits.clone(), [params] * 3)
+    gen = torch.Generator().manual_seed(seed + 1)
+    batch = 500
+    counts = torch.zeros(V)
+    for _ in range(N // batch):
+        reqs = []
+        for _ in range(batch):
+            drafts = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
+            reqs.append(VerifyRequest(drafts, q, params, gen))
+        out = verify(target_logits.repeat(batch, 1), reqs, method)
+        counts += torch.bincount(out[:, 0], minlength=V).float()
+    return counts / counts.sum(), p[0]
+
+
+@pytest.mark.parametrize("method", ["strict", "probabilistic"])
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=3),
+    SamplingParams(temperature=1.3, top_p=0.8),
+], ids=["plain", "top_k", "top_p"])
+def test_verifier_reproduces_target_distribution(method, params):
+    hist, p = _first_token_hist(method, params)
+    tv = 0.5 * (hist - p).abs().sum().item()
+    assert tv < TV_BOUND, f"total variation {tv:.4f} from the target distribution"
+
+
+def test_wrong_verifier_fails_the_bound(monkeypatch):
+    """A verifier that resamples from p instead of the residual must fail the same test."""
+    real = rejection._verify_random
+
+    def wrong(p, r, method, rate):
+        out = real(p, r, method, rate)
+        if out[0] != r.draft_token_ids[0]:           # rejected at position 0: resample from p
+            out = [rejection.sample_from(p[0], r.generator)]
+        return out
+
+    monkeypatch.setattr(rejection, "_verify_random", wrong)
+    hist, p = _first_token_hist("probabilistic", SamplingParams(temperature=1.0))
+    assert 0.5 * (hist - p).abs().sum().item() > TV_BOUND
+
+
+def _greedy_req(drafts):
+    return VerifyRequest(drafts, None, SamplingParams(temperature=0), torch.Generator())
+
+
+def test_greedy_accepts_prefix_and_emits_argmax():
+    logits = torch.full((4, V), -5.0)
+    for row, tok in enumerate([2, 4, 1, 3]):
+        logits[row, tok] = 5.0
+    assert verify(logits, [_greedy_req([2, 4, 1])]).tolist() == [[2, 4, 1, 3]]   # all + bonus
+    assert verify(logits, [_greedy_req([2, 5, 1])]).tolist() == [[2, 4, PLACEHOLDER_TOKEN_ID,
+                                                                  PLACEHOLDER_TOKEN_ID]]
+    assert verify(logits[:1], [_greedy_req([])]).tolist() == [[2]]
+
+
+def test_mixed_batch_and_padding():
+    logits = torch.full((5, V), -5.0)
+    logits[[0, 1, 2, 3, 4], [2, 4, 0, 3, 5]] = 5.0
+    rand = VerifyRequest([4], None, SamplingParams(temperature=1.0, top_k=1), torch.Generator())
+    out = verify(logits, [_greedy_req([2]), rand, _greedy_req([])])
+    # request 0: drafts [2] vs rows 0-1 -> 2 accepted + bonus 4; request 1 rows 2-3: top-k 1
+    # makes p one-hot on 0, so draft 4 is rejected and 0 is recovered; request 2 row 4 -> 5.
+    assert out.tolist() == [[2, 4], [0, PLACEHOLDER_TOKEN_ID], [5, PLACEHOLDER_TOKEN_ID]]
+
+
+def test_synthetic_acceptance_rate():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.zeros(4 * 400, V)
+    reqs = [VerifyRequest([1, 1, 1], None, SamplingParams(temperature=0), gen)
+            for _ in range(400)]
+    out = verify(logits, reqs, "synthetic", synthetic_acceptance_rate=0.6)
+    accepted_first = (out[:, 0] == 1).float().mean().item()
+    assert abs(accepted_first - 0.6) < 0.08
+    assert (verify(logits[:4], reqs[:1], "synthetic", 1.0)[0, :3] == 1).all()

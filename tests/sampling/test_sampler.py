@@ -1,0 +1,55 @@
+"""Sampling filters keep exactly the right support."""
+
+import torch
+
+from specserve.sampling.sampler import process_logits
+from specserve.sampling_params import SamplingParams
+
+LOGITS = torch.log(torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+
+
+def support(**kw) -> set[int]:
+    probs = process_logits(LOGITS.clone(), [SamplingParams(temperature=1.0, **kw)])
+    assert torch.allclose(probs.sum(-1), torch.ones(1))
+    return set(torch.nonzero(probs[0] > 0).flatten().tolist())
+
+
+def test_top_k_support():
+    assert support(top_k=1) == {1}
+    assert support(top_k=3) == {1, 3, 4}
+    assert support(top_k=-1) == {0, 1, 2, 3, 4}
+
+
+def test_top_p_support():
+    # sorted: 0.4 (1), 0.3 (3), 0.15 (4), 0.1 (2), 0.05 (0)
+    assert support(top_p=0.4) == {1}
+    assert support(top_p=0.41) == {1, 3}
+    assert support(top_p=0.7) == {1, 3}
+    assert support(top_p=0.85) == {1, 3, 4}
+    assert support(top_p=1.0) == {0, 1, 2, 3, 4}
+
+
+def test_top_k_then_top_p():
+    # After top-k=3 the kept probs renormalise to 0.47, 0.35, 0.18.
+    assert support(top_k=3, top_p=0.5) == {1, 3}
+
+
+def test_min_p_support():
+    assert support(min_p=0.5) == {1, 3}           # >= 0.5 * 0.4
+    assert support(min_p=0.3) == {1, 3, 4}
+
+
+def test_kept_probabilities_are_renormalised_target():
+    probs = process_logits(LOGITS.clone(), [SamplingParams(temperature=1.0, top_k=2)])
+    assert torch.allclose(probs[0, [1, 3]], torch.tensor([0.4, 0.3]) / 0.7)
+
+
+def test_temperature_sharpens():
+    cold = process_logits(LOGITS.clone(), [SamplingParams(temperature=0.5)])
+    assert cold[0, 1] > 0.4 and torch.allclose(cold.sum(), torch.tensor(1.0))
+
+
+def test_rows_use_their_own_params():
+    probs = process_logits(LOGITS.repeat(2, 1), [SamplingParams(temperature=1.0, top_k=1),
+                                                 SamplingParams(temperature=1.0)])
+    assert (probs[0] > 0).sum() == 1 and (probs[1] > 0).sum() == 5

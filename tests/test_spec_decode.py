@@ -1,0 +1,239 @@
+"""Speculative decoding end to end: greedy equality for every method, acceptance with
+draft == target, the sampled distribution, seeds, stop conditions and context limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams, TokensPrompt
+from tests.conftest import make_hf_model
+
+K = 3
+
+
+def spec_configs(draft_dir):
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+                  "prompt_lookup_max": 3},
+        "suffix": {"method": "suffix", "num_speculative_tokens": K},
+        "draft_model": {"method": "draft_model", "model": str(draft_dir),
+                        "num_speculative_tokens": K},
+    }
+
+
+def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts with repeats, so that ngram/suffix find matches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(0, 90, (int(torch.randint(2, 12, (1,), generator=g)),),
+                             generator=g).tolist()
+        out.append((base * 4)[:int(torch.randint(3, 40, (1,), generator=g))])
+    return out
+
+
+def _greedy(max_tokens=30, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_greedy_equality_batch_1(method, llama_dir, draft_dir):
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4, seed=1)]
+    base = LLM(str(llama_dir), device="cpu")
+    ref = [base.generate(p, _greedy(), use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+    spec = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)[method], device="cpu")
+    got = [spec.generate(p, _greedy(), use_tqdm=False)[0].outputs[0].token_ids for p in ps]
+    assert got == ref
+    assert spec.get_metrics()["spec_decode_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+def test_greedy_equality_mixed_batch(method, llama_dir, draft_dir):
+    """>= 16 mixed requests: different lengths, early stops (stop token / EOS), long ones near
+    max_model_len, and random requests sharing the batch."""
+    ps = repetitive_prompts(18, seed=2)
+    base = LLM(str(llama_dir), device="cpu", max_model_len=64, max_num_seqs=8)
+    free = [o.outputs[0].token_ids for o in base.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in ps], _greedy(40), use_tqdm=False)]
+    params = []
+    for i, toks in enumerate(free):
+        if i % 5 == 1:      # stop on a token that appears mid-output
+            params.append(_greedy(40, stop_token_ids=[toks[7]]))
+        elif i % 5 == 2:
+            params.append(SamplingParams(temperature=0, max_tokens=40, seed=i))  # EOS may stop
+        elif i % 5 == 3:
+            params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=10))
+        else:
+            params.append(_greedy(40))
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in ps]
+    prompts[4] = TokensPrompt(prompt_token_ids=(ps[4] * 20)[:60])    # near max_model_len
+    ref = base.generate(prompts, params, use_tqdm=False)
+    spec = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)[method], device="cpu",
+               max_model_len=64, max_num_seqs=8)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    for i, (r, g) in enumerate(zip(ref, got)):
+        if params[i].temperature > 0:
+            continue           # random rows only share the batch here; see the distribution test
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids, f"request {i}"
+        assert g.outputs[0].finish_reason == r.outputs[0].finish_reason
+    assert len(got[4].outputs[0].token_ids) == 4 and got[4].outputs[0].finish_reason == "length"
+    assert got[1].outputs[0].finish_reason == "stop"
+
+
+def test_draft_equal_to_target_accepts_everything(llama_dir):
+    spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": K}
+    llm = LLM(str(llama_dir), speculative_config=spec, device="cpu")
+    steps = 6
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(3)],
+                        _greedy(1 + steps * (K + 1)), use_tqdm=False)
+    m = llm.get_metrics()
+    assert m["acceptance_rate"] == 1.0
+    assert m["mean_acceptance_length"] == K + 1
+    assert m["spec_decode_num_accepted_tokens_per_pos"] == [3 * steps] * K
+    for o in outs:
+        assert o.spec_metrics.mean_acceptance_length == K + 1
+        assert len(o.outputs[0].token_ids) == 1 + steps * (K + 1)
+
+
+def test_spec_metrics_are_consistent(llama_dir, draft_dir):
+    llm = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)["ngram"], device="cpu")
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(5)],
+                        _greedy(), use_tqdm=False)
+    m = llm.get_metrics()
+    assert m["spec_decode_num_drafts"] == sum(o.spec_metrics.num_drafts for o in outs)
+    assert m["spec_decode_num_accepted_tokens"] == sum(m["spec_decode_num_accepted_tokens_per_pos"])
+    assert m["mean_acceptance_length"] == pytest.approx(
+        1 + m["spec_decode_num_accepted_tokens"] / m["spec_decode_num_drafts"])
+    per_pos = m["spec_decode_num_accepted_tokens_per_pos"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    """Target and a different draft over 8 tokens: rejections happen often."""
+    t, d = tmp_path_factory.mktemp("t8"), tmp_path_factory.mktemp("d8")
+    make_hf_model("llama", t, seed=3, vocab=8, eos_token_id=7)
+    make_hf_model("llama", d, seed=4, vocab=8, eos_token_id=7, hidden_size=32,
+                  num_hidden_layers=1, intermediate_size=64)
+    return t, d
+
+
+PROMPT8 = [1, 2, 3, 1, 2]
+TOP_K = 3
+
+
+def _params(i: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_k=TOP_K, seed=i, max_tokens=3, ignore_eos=True)
+
+
+def _exact_pair_distribution(target) -> torch.Tensor:
+    """P(token 2, token 3) of the target under _params, by enumerating token 1 and 2."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+    def probs(ids):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1]
+        kth = logits.topk(TOP_K).values[-1]
+        return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
+
+    exact = torch.zeros(8, 8)
+    p1 = probs(PROMPT8)
+    for a in torch.nonzero(p1).flatten().tolist():
+        p2 = probs(PROMPT8 + [a])
+        for b in torch.nonzero(p2).flatten().tolist():
+            exact[b] += p1[a] * p2[b] * probs(PROMPT8 + [a, b])
+    return exact
+
+
+def _token_hist(llm, n: int, offset: int) -> torch.Tensor:
+    """Empirical joint distribution of generated tokens 2 and 3 (both from verify steps)."""
+    outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT8)] * n,
+                        [_params(i + offset) for i in range(n)], use_tqdm=False)
+    hist = torch.zeros(8, 8)
+    for o in outs:
+        a, b = o.outputs[0].token_ids[1:3]
+        hist[a, b] += 1
+    return hist / n
+
+
+N_SAMPLES = 2000
+# 9 reachable cells: sampling noise in total variation is ~0.025 at 2000 samples.
+TV_BOUND = 0.06
+
+
+@pytest.fixture(scope="module")
+def exact_pairs(small_vocab_pair):
+    return _exact_pair_distribution(small_vocab_pair[0])
+
+
+def test_no_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs):
+    llm = LLM(str(small_vocab_pair[0]), device="cpu", max_num_seqs=64, max_num_batched_tokens=512)
+    tv = 0.5 * (_token_hist(llm, N_SAMPLES, 0) - exact_pairs).abs().sum().item()
+    assert tv < TV_BOUND, f"total variation {tv:.3f}"
+
+
+@pytest.mark.parametrize("rejection, draft_sample", [("strict", "greedy"),
+                                                     ("strict", "probabilistic"),
+                                                     ("probabilistic", "probabilistic")])
+def test_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs, rejection,
+                                                  draft_sample):
+    target, draft = small_vocab_pair
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
+            "rejection_sample_method": rejection, "draft_sample_method": draft_sample}
+    llm = LLM(str(target), speculative_config=spec, device="cpu", max_num_seqs=64,
+              max_num_batched_tokens=512)
+    tv = 0.5 * (_token_hist(llm, N_SAMPLES, 100_000) - exact_pairs).abs().sum().item()
+    assert llm.get_metrics()["acceptance_rate"] < 0.95       # rejections were exercised
+    assert tv < TV_BOUND, f"total variation {tv:.3f} from the target's exact distribution"
+
+
+def test_seeded_spec_is_independent_of_batch(llama_dir, draft_dir):
+    cfg = spec_configs(draft_dir)["draft_model"]
+    sp = SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)
+    p = TokensPrompt(prompt_token_ids=repetitive_prompts(1, seed=9)[0])
+    alone = LLM(str(llama_dir), speculative_config=cfg, device="cpu").generate(
+        p, sp, use_tqdm=False)[0].outputs[0].token_ids
+    others = [TokensPrompt(prompt_token_ids=q) for q in repetitive_prompts(4, seed=10)]
+    mixed = LLM(str(llama_dir), speculative_config=cfg, device="cpu").generate(
+        others[:2] + [p] + others[2:], [_greedy(), _greedy(), sp, _greedy(), _greedy()],
+        use_tqdm=False)[2].outputs[0].token_ids
+    assert alone == mixed
+
+
+def test_stop_string_inside_accepted_run(text_model_dir):
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = LLM(str(text_model_dir), device="cpu")
+    free = base.generate("def add(a, b):", sp, use_tqdm=False)[0].outputs[0].text
+    stop = free[8:10]
+    cfg = {"method": "draft_model", "model": str(text_model_dir), "num_speculative_tokens": 4}
+    spec = LLM(str(text_model_dir), speculative_config=cfg, device="cpu")
+    out = spec.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=40,
+                        ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert out.text == free[:free.index(stop)] and out.finish_reason == "stop"
+
+
+def test_vocab_mismatch_is_a_load_error(llama_dir, small_vocab_pair):
+    cfg = {"method": "draft_model", "model": str(small_vocab_pair[1]), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="vocab_size 8 but the target has 96"):
+        LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+
+
+def test_draft_context_limits_max_model_len(llama_dir, tmp_path):
+    make_hf_model("llama", tmp_path, seed=5, max_position_embeddings=48, hidden_size=32,
+                  num_hidden_layers=1, intermediate_size=64)
+    llm = LLM(str(llama_dir), device="cpu", speculative_config={
+        "method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
+    assert llm.engine.max_model_len == 48
+    out = llm.generate(TokensPrompt(prompt_token_ids=list(range(40))), _greedy(100),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 8
+
+
+def test_synthetic_acceptance(llama_dir):
+    cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+           "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 1.0}
+    llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+    llm.generate(TokensPrompt(prompt_token_ids=[1, 2, 3] * 5), _greedy(), use_tqdm=False)
+    assert llm.get_metrics()["acceptance_rate"] == 1.0
