@@ -1,0 +1,233 @@
+"""`specserve bench latency`: configurations side by side in one process.
+
+For each prompt set and batch size, every configuration (no speculation, each speculation
+method, and transformers' generate / assisted generation / prompt lookup on the same models)
+runs the same greedy prompts. Rounds alternate the configuration order; the report gives the
+median tokens/s over rounds, the speedup over specserve without speculation, tau and
+per-position acceptance. Results are appended to benchmarks/RESULTS.md with a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specserve.bench.prompts import PROMPT_SETS
+
+
+@dataclass
+class Result:
+    name: str
+    tokens_per_s: list[float] = field(default_factory=list)
+    tau: float | None = None
+    acceptance_rate: float | None = None
+    per_pos: list[float] | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tokens_per_s)
+
+
+def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth measured by summing a large float32 tensor (best of `repeats`)."""
+    x = torch.ones(mb * 1024 * 1024 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step streams: every weight except the input embedding table (only one
+    row of it is read per token) unless it doubles as the lm_head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.args.tie_word_embeddings:
+        e = model.embed_tokens.weight
+        total -= e.numel() * e.element_size()
+    return total
+
+
+class SpecserveRunner:
+    def __init__(self, name: str, target: str, spec: dict | None, dtype: str) -> None:
+        from specserve import LLM
+        self.name = name
+        self.llm = LLM(target, speculative_config=spec, dtype=dtype, device="cpu",
+                       max_num_seqs=16, max_num_batched_tokens=2048)
+        self.spec = spec
+
+    def run(self, prompts: list[str], max_tokens: int) -> int:
+        from specserve import SamplingParams
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    def acceptance(self) -> tuple[float, float, list[float]] | None:
+        if self.spec is None:
+            return None
+        m = self.llm.get_metrics()
+        d = max(1, m["spec_decode_num_drafts"])
+        return (m["mean_acceptance_length"], m["acceptance_rate"],
+                [a / d for a in m["spec_decode_num_accepted_tokens_per_pos"]])
+
+
+class TransformersRunner:
+    """transformers generate(), assisted generation or prompt lookup (batch 1 only)."""
+
+    def __init__(self, name: str, target: str, draft: str | None, prompt_lookup: int | None,
+                 dtype: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        dt = getattr(torch, dtype)
+        self.name = name
+        self.tok = AutoTokenizer.from_pretrained(target)
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dt).eval()
+        self.kw: dict = {}
+        if draft:
+            self.kw["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft, dtype=dt).eval()
+        if prompt_lookup:
+            self.kw["prompt_lookup_num_tokens"] = prompt_lookup
+
+    @torch.inference_mode()
+    def run(self, prompts: list[str], max_tokens: int) -> int:
+        n = 0
+        for p in prompts:
+            ids = torch.tensor([self.tok(p)["input_ids"]])
+            out = self.model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                      do_sample=False, pad_token_id=self.tok.eos_token_id,
+                                      **self.kw)
+            n += out.shape[1] - ids.shape[1]
+        return n
+
+    def acceptance(self):
+        return None
+
+
+def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: int
+              ) -> list[Result]:
+    results = {r.name: Result(r.name) for r in runners}
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    for r in runners:                                   # warm-up
+        r.run(prompts[:1], 8)
+    for rnd in range(rounds):
+        order = runners if rnd % 2 == 0 else runners[::-1]
+        for r in order:
+            if isinstance(r, TransformersRunner) and batch > 1:
+                continue
+            t = time.perf_counter()
+            n = sum(r.run(g, max_tokens) for g in groups)
+            results[r.name].tokens_per_s.append(n / (time.perf_counter() - t))
+    for r in runners:
+        acc = r.acceptance()
+        if acc:
+            results[r.name].tau, results[r.name].acceptance_rate, results[r.name].per_pos = acc
+    return [res for res in results.values() if res.tokens_per_s]
+
+
+def _table(results: list[Result], base: str) -> str:
+    ref = next(r.median for r in results if r.name == base)
+    rows = ["| configuration | tokens/s (median) | speedup vs no-spec | tau | acceptance rate "
+            "| per-position acceptance |", "|---|---:|---:|---:|---:|---|"]
+    for r in results:
+        pp = "" if r.per_pos is None else ", ".join(f"{x:.2f}" for x in r.per_pos)
+        rows.append(f"| {r.name} | {r.median:.1f} | {r.median / ref:.2f}x | "
+                    f"{'' if r.tau is None else f'{r.tau:.2f}'} | "
+                    f"{'' if r.acceptance_rate is None else f'{r.acceptance_rate:.1%}'} | {pp} |")
+    return "\n".join(rows)
+
+
+def _plot(all_results: dict[str, list[Result]], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(all_results), figsize=(5 * len(all_results), 4), squeeze=False)
+    for ax, (title, results) in zip(axes[0], all_results.items()):
+        ax.barh([r.name for r in results], [r.median for r in results], color="C0")
+        ax.set_title(title)
+        ax.set_xlabel("tokens/s (median)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="specserve bench latency", description=__doc__)
+    p.add_argument("mode", choices=["latency"])
+    p.add_argument("--target", default="models/code-target")
+    p.add_argument("--draft", default="models/code-draft")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--methods", default="ngram,suffix,draft_model")
+    p.add_argument("--prompt-sets", default="completion,editing")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
+    p.add_argument("--results", default="benchmarks/RESULTS.md")
+    p.add_argument("--title", default="Offline latency: specserve methods and transformers")
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    K = a.num_speculative_tokens
+    specs = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+                  "prompt_lookup_max": 5},
+        "suffix": {"method": "suffix", "num_speculative_tokens": K},
+        "draft_model": {"method": "draft_model", "model": a.draft, "num_speculative_tokens": K},
+    }
+    methods = [m for m in a.methods.split(",") if m]
+    unknown = set(methods) - set(specs)
+    if unknown:
+        raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {sorted(specs)}")
+    all_results: dict[str, list[Result]] = {}
+    bw = memory_bandwidth_gbs()
+    for set_name in a.prompt_sets.split(","):
+        prompts = PROMPT_SETS[set_name](a.num_prompts)
+        for batch in [int(b) for b in a.batch_sizes.split(",")]:
+            # Fresh engines per suite so acceptance statistics belong to this suite only.
+            runners = [SpecserveRunner("specserve no-spec", a.target, None, a.dtype)]
+            runners += [SpecserveRunner(f"specserve {m} (K={K})", a.target, specs[m], a.dtype)
+                        for m in methods]
+            if not a.no_transformers and batch == 1:
+                runners += [TransformersRunner("transformers generate()", a.target, None, None,
+                                               a.dtype),
+                            TransformersRunner(f"transformers assisted (draft, K dynamic)",
+                                               a.target, a.draft, None, a.dtype),
+                            TransformersRunner(f"transformers prompt lookup ({K})", a.target,
+                                               None, K, a.dtype)]
+            key = f"{set_name}, batch {batch}"
+            print(f"== {key}", flush=True)
+            all_results[key] = run_suite(runners, prompts, batch, a.max_tokens, a.rounds)
+            print(_table(all_results[key], "specserve no-spec"), flush=True)
+    wb = weight_bytes(SpecserveRunner("w", a.target, None, a.dtype).llm.engine.model)
+    cmd = "specserve bench " + " ".join(argv)
+    out = Path(a.results)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    png = out.parent / f"latency-{datetime.date.today().isoformat()}.png"
+    _plot(all_results, png)
+    lines = [f"\n## {a.title}\n",
+             f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
+             f"{torch.get_num_threads()} torch threads, {platform.processor() or 'cpu'}; "
+             f"torch {torch.__version__}",
+             f"- command: `{cmd}`",
+             f"- target {a.target}, draft {a.draft}, dtype {a.dtype}, greedy, "
+             f"{a.num_prompts} prompts x {a.max_tokens} new tokens, median of {a.rounds} rounds",
+             f"- measured read bandwidth {bw:.1f} GB/s; target weights streamed per step "
+             f"{wb / 1e6:.1f} MB -> bandwidth floor {wb / bw / 1e6:.2f} ms/token",
+             f"- plot: {png.name}", ""]
+    for key, results in all_results.items():
+        lines += [f"### {key}\n", _table(results, "specserve no-spec"), ""]
+    with open(out, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print(json.dumps({"results": str(out), "plot": str(png)}))

@@ -1,0 +1,104 @@
+"""Every speculative_config validation message, and the CLI/YAML forms."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specserve.config import SpeculativeConfig, load_json_or_yaml_arg
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "must be an int > 0, got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 200}, "above the limit of 128"),
+    ({"method": "magic", "num_speculative_tokens": 2}, "method 'magic' is not known"),
+    ({"num_speculative_tokens": 2}, "needs 'method'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+     "must be >= 1, got 0"),
+    ({"method": "suffix", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
+     "apply to method 'ngram' only"),
+    ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 0},
+     "suffix_decoding_max_tree_depth must be >= 1"),
+    ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_cached_requests": -1},
+     "suffix_decoding_max_cached_requests must be >= 0"),
+    ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_spec_factor": -1},
+     "suffix_decoding_max_spec_factor must be >= 0"),
+    ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2},
+     r"suffix_decoding_min_token_prob must be in \[0, 1\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
+     "draft_tensor_parallel_size must be 1"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "tensor_parallel_size": 2},
+     "use 'draft_tensor_parallel_size'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 1},
+     "max_model_len must be >= 2"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "typical"},
+     "rejection_sample_method 'typical' is not known"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"},
+     r"needs synthetic_acceptance_rate in \[0, 1\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "synthetic_acceptance_rate": 0.5},
+     "only used with rejection_sample_method 'synthetic'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "beam"},
+     "draft_sample_method must be 'greedy' or 'probabilistic'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "temperature": 0.5},
+     "'temperature' is a sampling parameter"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "top_p": 0.5},
+     "'top_p' is a sampling parameter"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
+     "unknown speculative_config key 'lookahead'; valid keys: method, model"),
+])
+def test_validation_messages(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(cfg)
+
+
+def test_defaults_and_mirroring():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                     "prompt_lookup_max": 4})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                     "rejection_sample_method": "standard"})
+    assert c.rejection_sample_method == "strict"
+
+
+def test_method_inferred_from_model(tmp_path):
+    d = tmp_path / "some-draft"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert SpeculativeConfig.from_dict({"model": str(d), "num_speculative_tokens": 2}).method \
+        == "draft_model"
+    e = tmp_path / "heads"
+    e.mkdir()
+    (e / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"]}))
+    assert SpeculativeConfig.from_dict({"model": str(e), "num_speculative_tokens": 2}).method \
+        == "medusa"
+    assert SpeculativeConfig.from_dict({"model": str(tmp_path / "x-eagle3-head"),
+                                        "num_speculative_tokens": 2}).method == "eagle3"
+
+
+def test_json_and_yaml_arguments(tmp_path):
+    assert load_json_or_yaml_arg('{"method": "ngram", "num_speculative_tokens": 2}')["method"] \
+        == "ngram"
+    y = tmp_path / "spec.yaml"
+    y.write_text("method: suffix\nnum_speculative_tokens: 4\n")
+    assert load_json_or_yaml_arg(f"@{y}") == {"method": "suffix", "num_speculative_tokens": 4}
+    with pytest.raises(ValueError, match="could not parse"):
+        load_json_or_yaml_arg("{method: ngram")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_json_or_yaml_arg("@/nonexistent.yaml")
+    with pytest.raises(ValueError, match="expected a JSON/YAML mapping"):
+        load_json_or_yaml_arg("[1, 2]")
+
+
+def test_unavailable_method_is_an_engine_error(llama_dir):
+    from specserve import LLM
+    d = llama_dir
+    with pytest.raises(ValueError, match="'eagle' is not available in this build yet"):
+        LLM(str(d), speculative_config={"method": "eagle", "model": str(d),
+                                        "num_speculative_tokens": 2})

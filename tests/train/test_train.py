@@ -1,0 +1,113 @@
+"""Tokenizer round trip, a seconds-long pretraining and distillation run, the bundled zoo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams, TokensPrompt
+from specserve.train.bpe import train_bpe
+from specserve.train.corpus import Corpus, read_text
+from specserve.train.lm import ModelShape, train_draft, train_lm
+from specserve.train.trainer import TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=128, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def small_corpus() -> Corpus:
+    c = Corpus.stdlib()
+    return Corpus(c.train_files[:12], c.val_files[:2])
+
+
+def test_corpus_split_is_by_file_and_deterministic():
+    a, b = Corpus.stdlib(), Corpus.stdlib()
+    assert a.train_files == b.train_files and a.val_files == b.val_files
+    assert not set(a.train_files) & set(a.val_files)
+    assert all("site-packages" not in p.parts for p in a.train_files + a.val_files)
+
+
+def test_tokenizer_round_trips_corpus_files(small_corpus):
+    tok = train_bpe(small_corpus.train_files, vocab_size=600)
+    for path in small_corpus.train_files[:4] + small_corpus.val_files:
+        text = read_text(path)
+        assert tok.decode(tok.encode(text).ids) == text
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(small_corpus, tmp_path_factory):
+    work = tmp_path_factory.mktemp("work")
+    out = tmp_path_factory.mktemp("lm")
+    cfg = TrainConfig(out=str(work), steps=40, batch_size=4, seq_len=64, lr=3e-3, warmup=5,
+                      eval_every=40, bf16=False, device="cpu")
+    bpb = train_lm(cfg, TINY, out, vocab_size=400, corpus=small_corpus)
+    log = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
+    return out, bpb, log
+
+
+def test_training_lowers_loss_and_writes_hf_dir(tiny_lm):
+    out, bpb, log = tiny_lm
+    first = sum(r["loss"] for r in log[:5]) / 5
+    last = sum(r["loss"] for r in log[-5:]) / 5
+    assert last < first - 0.5
+    assert 0 < bpb < 10
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "generation_config.json", "loss.png"):
+        assert (out / f).is_file(), f
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_trained_model_loads_in_transformers_with_equal_greedy(tiny_lm):
+    from transformers import AutoModelForCausalLM
+    out, _, _ = tiny_lm
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    llm = LLM(str(out), device="cpu")
+    prompt = llm.get_tokenizer().encode("import os\ndef ")
+    got = llm.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12,
+                          do_sample=False)[0, len(prompt):].tolist()
+    assert got == ref
+
+
+def test_resume_continues_from_checkpoint(small_corpus, tiny_lm, tmp_path):
+    out, _, _ = tiny_lm
+    cfg = TrainConfig(out=str(tmp_path), steps=6, batch_size=2, seq_len=32, warmup=2,
+                      ckpt_every=3, eval_every=6, bf16=False, device="cpu", max_minutes=0.0)
+    train_lm(cfg, TINY, tmp_path / "out", tokenizer_dir=out, corpus=small_corpus)
+    assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == 1  # stopped at once
+    cfg.max_minutes = None
+    bpb = train_lm(cfg, TINY, tmp_path / "out", tokenizer_dir=out, corpus=small_corpus)
+    steps = [json.loads(x)["step"] for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6] and bpb == bpb
+
+
+def test_draft_distillation_lowers_kl(small_corpus, tiny_lm, tmp_path):
+    target, _, _ = tiny_lm
+    shape = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                       intermediate_size=64, tie_embeddings=True, max_position_embeddings=128)
+    cfg = TrainConfig(out=str(tmp_path / "w"), steps=30, batch_size=4, seq_len=64, lr=3e-3,
+                      warmup=3, eval_every=30, bf16=False, device="cpu")
+    train_draft(cfg, shape, target, tmp_path / "draft", corpus=small_corpus)
+    log = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["kl"] < log[0]["kl"] * 0.7
+    llm = LLM(str(target), device="cpu", speculative_config={
+        "model": str(tmp_path / "draft"), "num_speculative_tokens": 2})
+    llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert llm.get_metrics()["spec_decode_num_drafts"] > 0
+
+
+@pytest.mark.parametrize("name", ["code-target", "code-draft"])
+def test_bundled_models_load_and_generate(name):
+    path = REPO / "models" / name
+    assert (path / "config.json").is_file(), f"bundled model {path} is missing"
+    llm = LLM(str(path), device="cpu")
+    out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=16),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 1 and out.text.strip()
