@@ -81,6 +81,23 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"per-position acceptance {[round(x, 3) for x in per_pos]}]", file=sys.stderr)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    import logging
+
+    import uvicorn
+
+    from specserve.engine.engine import LLMEngine
+    from specserve.llm import build_engine_config
+    from specserve.server.app import build_app
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    spec = load_json_or_yaml_arg(args.speculative_config)
+    engine = LLMEngine(build_engine_config(args.model, spec, log_stats_interval_s=10.0,
+                                           **_engine_kwargs(args)))
+    app = build_app(engine, args.served_model_name or args.model, args.api_key,
+                    args.max_request_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     from pathlib import Path
 
@@ -121,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-seed", type=int, default=None, help="seed of this request")
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_parser(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--served-model-name", default=None, help="model name in the API "
+                   "(default: the model path)")
+    s.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest accepted request body")
+    s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("train", help="train a model: lm (pretraining) or draft (distillation)")
     t.add_argument("kind", choices=["lm", "draft"])

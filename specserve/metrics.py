@@ -55,3 +55,77 @@ class SpecDecodingStats:
                 f"{self.num_accepted_tokens / max(elapsed_s, 1e-9):.1f} tokens/s, drafted "
                 f"throughput {self.num_draft_tokens / max(elapsed_s, 1e-9):.1f} tokens/s, "
                 f"drafts {self.num_drafts}, per-position acceptance [{per_pos}]")
+
+
+class PrometheusMetrics:
+    """Server metrics in a registry of its own (no global state).
+
+    Spec-decode counters and queue gauges are read from the engine at scrape time; latency
+    histograms and request outcomes are recorded by the HTTP layer.
+    """
+
+    PREFIX = "specserve:"
+
+    def __init__(self, engine, model_name: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        self.registry = CollectorRegistry()
+        self.engine = engine
+        self.model_name = model_name
+        labels = ["model_name"]
+        buckets_fast = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+        buckets_slow = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+        p = self.PREFIX
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
+                              labels, buckets=buckets_slow, registry=self.registry)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time per output token after "
+                             "the first", labels, buckets=buckets_fast, registry=self.registry)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency",
+                             labels, buckets=buckets_slow, registry=self.registry)
+        self.requests = Counter(p + "request_success", "Finished requests by finish reason",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.registry.register(_EngineCollector(self))
+
+    def observe_request(self, ttft: float | None, itls: list[float], e2e: float,
+                        finish_reason: str) -> None:
+        m = self.model_name
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+        for x in itls:
+            self.itl.labels(m).observe(x)
+        self.e2e.labels(m).observe(e2e)
+        self.requests.labels(m, finish_reason).inc()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, owner: PrometheusMetrics) -> None:
+        self.owner = owner
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        eng, m, p = self.owner.engine, self.owner.model_name, PrometheusMetrics.PREFIX
+        s: SpecDecodingStats = eng.spec_stats
+        for name, value, doc in (
+                ("spec_decode_num_drafts", s.num_drafts, "Verify steps with drafts"),
+                ("spec_decode_num_draft_tokens", s.num_draft_tokens, "Draft tokens proposed"),
+                ("spec_decode_num_accepted_tokens", s.num_accepted_tokens, "Draft tokens accepted")):
+            c = CounterMetricFamily(p + name, doc, labels=["model_name"])
+            c.add_metric([m], value)
+            yield c
+        c = CounterMetricFamily(p + "spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted draft tokens by position", labels=["model_name", "position"])
+        for pos, value in enumerate(s.num_accepted_tokens_per_pos):
+            c.add_metric([m, str(pos)], value)
+        yield c
+        for name, value in (("num_requests_running", len(eng.scheduler.running)),
+                            ("num_requests_waiting", len(eng.scheduler.waiting))):
+            g = GaugeMetricFamily(p + name, name.replace("_", " "), labels=["model_name"])
+            g.add_metric([m], value)
+            yield g
+        g = GaugeMetricFamily(p + "kv_cache_free_slots", "Free KV-cache slots",
+                              labels=["model_name"])
+        g.add_metric([m], eng.cache.num_free_slots)
+        yield g

@@ -92,3 +92,11 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character at the end), for a finished request."""
+        dec = self.tokenizer.decode
+        rest = dec(self.ids[self.prefix_offset:])[len(dec(self.ids[self.prefix_offset:self.read_offset])):]
+        self.prefix_offset = self.read_offset = len(self.ids)
+        self.text += rest
+        return rest

@@ -228,6 +228,8 @@ class LLMEngine:
         return False
 
     def _stop(self, req: Request, reason: str, stop_reason: int | str | None) -> None:
+        if req.detokenizer is not None and not isinstance(stop_reason, str):
+            req.text += req.detokenizer.flush()
         req.finish_reason = reason
         req.stop_reason = stop_reason
         req.status = RequestStatus.FINISHED

@@ -1,0 +1,140 @@
+"""OpenAI request and response schemas (pydantic). Unknown fields are rejected by name."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specserve.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI + vLLM extras)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM-style extras
+    top_k: int = -1
+    min_p: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    include_spec_metrics: bool = Field(
+        default=False, description="add the request's speculative-decoding summary")
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported; "
+                             "leave them at 0")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        return self
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+    @model_validator(mode="after")
+    def _unsupported_completion(self):
+        if self.echo:
+            raise ValueError("echo=true is not supported")
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of must be 1")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(
+            p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _max_completion(self):
+        if self.max_completion_tokens is not None:
+            if self.max_completion_tokens <= 0:
+                raise ValueError("max_completion_tokens must be at least 1")
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, type_: str = "invalid_request_error", code: int | str | None = None,
+               param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,238 @@
+"""The OpenAI-compatible server, live on 127.0.0.1, driven by the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specserve import LLM, SamplingParams
+from specserve.engine.engine import LLMEngine
+from specserve.llm import build_engine_config
+from specserve.server.app import build_app
+
+NAME = "tiny"
+
+
+@contextlib.contextmanager
+def live_server(model_dir, spec=None, api_key=None, **engine_kw):
+    engine = LLMEngine(build_engine_config(str(model_dir), spec, device="cpu", **engine_kw))
+    app = build_app(engine, NAME, api_key=api_key, max_request_bytes=64 * 1024)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", engine, app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(text_model_dir):
+    with live_server(text_model_dir, max_model_len=128) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(text_model_dir):
+    return LLM(str(text_model_dir), device="cpu", max_model_len=128)
+
+
+GREEDY = dict(temperature=0, max_tokens=20)
+
+
+def test_completion_equals_offline(client, offline):
+    r = client.completions.create(model=NAME, prompt="def add(a, b):", **GREEDY)
+    ref = offline.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=20),
+                           use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_completion_stream_equals_non_stream(client):
+    full = client.completions.create(model=NAME, prompt="hello world", **GREEDY).choices[0].text
+    chunks = list(client.completions.create(model=NAME, prompt="hello world", stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_stop_string_never_streamed(client):
+    full = client.completions.create(model=NAME, prompt="def add(a, b):", **GREEDY).choices[0].text
+    stop = full[6:9]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt="def add(a, b):", stream=True, stop=[stop], **GREEDY))
+    assert streamed == full[:full.index(stop)]
+
+
+def test_chat_equals_offline(client, offline):
+    msgs = [{"role": "user", "content": "write add"}]
+    r = client.chat.completions.create(model=NAME, messages=msgs, **GREEDY)
+    prompt = offline.get_tokenizer().apply_chat_template(msgs)
+    ref = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=20),
+                           use_tqdm=False)[0].outputs[0]
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].message.role == "assistant"
+    stream = list(client.chat.completions.create(model=NAME, messages=msgs, stream=True, **GREEDY))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == ref.text
+    assert stream[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_multiple_prompts_in_one_completion(client):
+    r = client.completions.create(model=NAME, prompt=["hello", "def"], **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1]
+    single = client.completions.create(model=NAME, prompt="def", **GREEDY).choices[0].text
+    assert r.choices[1].text == single
+
+
+def test_sampled_stream_equals_non_stream(client):
+    kw = dict(model=NAME, prompt="café ünïcode", temperature=1.0, seed=3, max_tokens=40)
+    full = client.completions.create(**kw).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)) == full
+
+
+def test_concurrent_streams(server):
+    async def one(c, i):
+        text = ""
+        stream = await c.completions.create(model=NAME, prompt=f"def f{i}(x):", stream=True,
+                                            temperature=0.8, seed=i, max_tokens=16)
+        async for chunk in stream:
+            text += chunk.choices[0].text
+        return text
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server[0] + "/v1", api_key="x",
+                                      max_retries=0) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(40)), return_exceptions=True)
+    results = asyncio.run(main())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors[:3]
+
+
+def test_disconnect_aborts_and_frees_the_slot(server):
+    base, engine, app = server
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", base + "/v1/completions", json={
+                "model": NAME, "prompt": "hello", "max_tokens": 100, "ignore_eos": True,
+                "stream": True, "temperature": 0}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data:"):
+                    break                      # got the first chunk; now hang up
+    deadline = time.time() + 10
+    while engine.scheduler.running or app.state.async_engine.num_active:
+        assert time.time() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    assert engine.cache.num_free_slots == engine.cache.num_slots
+    m = httpx.get(base + "/metrics").text
+    assert 'specserve:request_success_total{finished_reason="abort",model_name="tiny"}' in m
+
+
+def test_many_requests_leave_nothing_behind(server):
+    base, engine, app = server
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0) as c:
+            sem = asyncio.Semaphore(32)
+
+            async def one(i):
+                async with sem:
+                    await c.completions.create(model=NAME, prompt=f"x{i}", max_tokens=2,
+                                               temperature=0)
+            await asyncio.gather(*(one(i) for i in range(1000)))
+    asyncio.run(main())
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.cache.num_free_slots == engine.cache.num_slots
+    assert app.state.async_engine.num_active == 0
+
+
+def test_models_health_metrics(client, server):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server[0] + "/health").status_code == 200
+    m = httpx.get(server[0] + "/metrics").text
+    for name in ("specserve:spec_decode_num_drafts_total", "specserve:time_to_first_token_seconds",
+                 "specserve:inter_token_latency_seconds", "specserve:e2e_request_latency_seconds",
+                 "specserve:num_requests_running", "specserve:num_requests_waiting"):
+        assert name in m, name
+
+
+@pytest.mark.parametrize("body, status, message", [
+    (b"{not json", 400, "not valid JSON"),
+    (b'["a"]', 400, "must be a JSON object"),
+    ({"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"prompt": "x", "bogus_field": 1}, 400, "unknown field 'bogus_field'"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
+    ({"prompt": "x", "max_tokens": 1000}, 400, "maximum context length is 128 tokens"),
+    ({"prompt": "hello " * 200, "max_tokens": 1}, 400, "shorten the prompt"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
+    ({"prompt": "x", "model": "gpt-9"}, 404, "the model 'gpt-9' does not exist"),
+    ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    ({"prompt": []}, 400, "prompt must not be an empty list"),
+    ({"prompt": [1, 99999]}, 400, "outside the vocabulary"),
+    ({"prompt": "x" * 70000}, 413, "larger than 65536 bytes"),
+])
+def test_bad_input_is_a_4xx_with_an_openai_error(server, body, status, message):
+    base = server[0]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(base + "/v1/completions", content=content,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]["message"]
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_bad_chat_input(client):
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=NAME, messages=[], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+
+
+def test_api_key(text_model_dir):
+    with live_server(text_model_dir, api_key="sekret") as (base, _, _):
+        bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            bad.completions.create(model=NAME, prompt="x", max_tokens=2)
+        r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        good = openai.OpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0)
+        assert good.completions.create(model=NAME, prompt="x", max_tokens=2).choices
+        assert httpx.get(base + "/health").status_code == 200
+
+
+def test_spec_metrics_when_asked(text_model_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    with live_server(text_model_dir, spec=spec) as (base, _, _):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        r = c.completions.create(model=NAME, prompt="hello hello hello hello", max_tokens=16,
+                                 temperature=0, extra_body={"include_spec_metrics": True})
+        sm = r.model_extra["spec_metrics"][0]
+        assert sm["num_drafts"] >= 1 and 1.0 <= sm["mean_acceptance_length"] <= 4.0
+        plain = c.completions.create(model=NAME, prompt="hello", max_tokens=4, temperature=0)
+        assert "spec_metrics" not in (plain.model_extra or {})
+        m = httpx.get(base + "/metrics").text
+        assert 'specserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in m
