@@ -118,8 +118,11 @@ def cmd_zoo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from specserve.bench.offline import main as bench_main
-    bench_main(args.bench_args)
+    from specserve.bench import offline, serve
+    modes = {"latency": offline.main, "serve": serve.main}
+    if not args.bench_args or args.bench_args[0] not in modes:
+        raise SystemExit(f"usage: specserve bench {{{','.join(modes)}}} [--help]")
+    modes[args.bench_args[0]](args.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,13 +1,16 @@
 """Suffix decoding (Oliaro et al. 2024; ArcticInference's path speculation).
 
-Each request has a local suffix tree over its prompt and output; a global tree holds past
-responses (FIFO-evicted beyond `suffix_decoding_max_cached_requests`). Trees store every
-substring of length <= `max_tree_depth` with its occurrence count, so appending a token costs
-O(depth). To draft, for each match length m = 1, 2, ... while the last m tokens occur in the
-tree, follow the most frequent child while the running probability count(child)/count(node)
-stays >= `min_token_prob`, for at most min(K, floor(m * max_spec_factor)) tokens. The draft with
-the highest score (sum of its token probabilities; ties to the longer match) wins; the global
-tree's draft replaces the local one only when it scores strictly higher.
+Two sources: the request's own tokens (prompt + output) and a global tree over past responses
+(FIFO-evicted beyond `suffix_decoding_max_cached_requests`). To draft, for each match length
+m = 1, 2, ... while the last m tokens occur in the source, follow the most frequent continuation
+while the running probability count(continuation)/count(match) stays >= `min_token_prob`, for
+at most min(K, floor(m * max_spec_factor)) tokens. The draft with the highest score (sum of its
+token probabilities; ties to the longer match) wins; the global tree's draft replaces the
+request's own only when it scores strictly higher.
+
+The request's own tokens are searched as an array (vectorised, no per-token tree building, so
+a long prompt costs nothing up front); the global tree stores every substring of length
+<= `max_tree_depth` of past responses with its count, so adding a token costs O(depth).
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from specserve.config import SpeculativeConfig
 from specserve.proposers.base import Proposal, ProposeBatch
@@ -91,11 +96,73 @@ class SuffixTree:
         return best, best_score
 
 
+def _follow(tokens: np.ndarray, ends: np.ndarray, limit: int, min_prob: float
+            ) -> tuple[list[int], float]:
+    """Path speculation from the occurrences ending at `ends`: take the most frequent next token
+    while the running probability stays >= min_prob."""
+    draft, score, prob = [], 0.0, 1.0
+    n = len(tokens)
+    while len(draft) < limit and len(ends):
+        nxt = ends + 1
+        nxt = nxt[nxt < n]
+        if not len(nxt):
+            break
+        vals = tokens[nxt]
+        if len(vals) <= 64:                 # the usual case: counting in Python is cheaper
+            seq = vals.tolist()
+            counts: dict[int, int] = {}
+            for t in seq:
+                counts[t] = counts.get(t, 0) + 1
+            tok = min(counts, key=lambda t: (-counts[t], t))
+            count = counts[tok]
+        else:
+            bins = np.bincount(vals)
+            tok = int(bins.argmax())        # ties: the smaller id, as above
+            count = int(bins[tok])
+        prob *= count / len(ends)
+        if prob < min_prob:
+            break
+        draft.append(tok)
+        score += prob
+        ends = nxt[vals == tok]
+    return draft, score
+
+
+def speculate_in_sequence(tokens: np.ndarray, depth: int, max_tokens: int, spec_factor: float,
+                          min_prob: float) -> tuple[list[int], float]:
+    """The draft for `tokens` from its own earlier content; returns (tokens, score).
+
+    `ends` holds the end positions of every occurrence of the current suffix (the trailing one
+    included, as a tree built over the sequence would count it). Lengthening the match only
+    filters `ends`, and a match length whose occurrence set equals the next one's gives the same
+    draft with a smaller length cap, so only the longest length of each distinct set is scored.
+    """
+    n = len(tokens)
+    best, best_score = [], 0.0
+    ends = np.flatnonzero(tokens == tokens[-1])
+    m = 1
+    while True:
+        longer = ends
+        while m < min(depth, n):
+            cand = ends[ends >= m]
+            cand = cand[tokens[cand - m] == tokens[n - 1 - m]]
+            if len(cand) != len(ends):
+                longer = cand
+                break
+            m += 1
+        draft, score = _follow(tokens, ends, min(max_tokens, math.floor(m * spec_factor)),
+                               min_prob)
+        if draft and score >= best_score:
+            best, best_score = draft, score
+        if longer is ends or len(longer) <= 1:      # no longer match with another occurrence
+            return best, best_score
+        ends, m = longer, m + 1
+
+
 @dataclass
 class _RequestState:
-    local_cursor: list[Node]
     global_cursor: list[Node]
-    num_seen: int                 # tokens of the request already added to the trees
+    num_seen: int                 # tokens of the request already looked at
     response: list[int]           # output tokens (what the global tree keeps)
 
 
@@ -107,25 +174,18 @@ class SuffixProposer:
         self.min_prob = config.suffix_decoding_min_token_prob
         self.global_tree = SuffixTree(self.depth)
         self.cached: OrderedDict[str, list[int]] = OrderedDict()   # finished responses, FIFO
-        self.local: dict[str, SuffixTree] = {}
         self.state: dict[str, _RequestState] = {}
 
     def _sync(self, req) -> _RequestState:
-        """Add the request's tokens that the trees have not seen yet."""
+        """Add the request's new output tokens to the global tree."""
         st = self.state.get(req.request_id)
         if st is None:
-            tree = self.local[req.request_id] = SuffixTree(self.depth)
             st = self.state[req.request_id] = _RequestState(
-                tree.cursor(), self.global_tree.cursor(), 0, [])
-        tree = self.local[req.request_id]
-        n_prompt = req.num_prompt_tokens
-        for i in range(st.num_seen, req.num_tokens):
-            tok = req.all_token_ids[i]
-            st.local_cursor = tree.append(st.local_cursor, tok)
-            if i >= n_prompt:
-                st.response.append(tok)
-                if self.max_cached:
-                    st.global_cursor = self.global_tree.append(st.global_cursor, tok)
+                self.global_tree.cursor(), req.num_prompt_tokens, [])
+        for tok in req.all_token_ids[st.num_seen:]:
+            st.response.append(tok)
+            if self.max_cached:
+                st.global_cursor = self.global_tree.append(st.global_cursor, tok)
         st.num_seen = req.num_tokens
         return st
 
@@ -134,8 +194,8 @@ class SuffixProposer:
         for req, k in zip(batch.requests, batch.max_num_tokens):
             self._sync(req)
             context = req.all_token_ids[-self.depth:]
-            draft, score = self.local[req.request_id].speculate(
-                context, k, self.spec_factor, self.min_prob)
+            draft, score = speculate_in_sequence(
+                np.asarray(req.all_token_ids), self.depth, k, self.spec_factor, self.min_prob)
             if self.max_cached:
                 g_draft, g_score = self.global_tree.speculate(
                     context, k, self.spec_factor, self.min_prob)
@@ -150,7 +210,6 @@ class SuffixProposer:
             return
         self._sync(request)
         st = self.state.pop(request.request_id)
-        self.local.pop(request.request_id)
         if not self.max_cached:
             return
         self.cached[request.request_id + f"#{id(st)}"] = st.response

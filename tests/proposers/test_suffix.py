@@ -77,3 +77,50 @@ def test_local_tree_uses_the_prompt():
     p = SuffixProposer(cfg)
     r = _req("x", [1, 2, 3, 4, 5, 9, 9, 1, 2])
     assert p.propose(_batch([r], k=3))[0].token_ids == [3, 4]    # factor 1: match "1 2" -> 2
+
+
+def _brute_force(tokens, depth, max_tokens, factor, min_prob):
+    """The definition, spelled out: every match length, most frequent continuation (ties to the
+    smaller token id), best score wins with ties to the longer match."""
+    import math
+    n = len(tokens)
+    best, best_score = [], 0.0
+    for m in range(1, min(depth, n) + 1):
+        pat = tokens[n - m:]
+        ends = [e for e in range(m - 1, n) if tokens[e - m + 1:e + 1] == pat]
+        if m > 1 and len(ends) <= 1:
+            break
+        draft, score, prob = [], 0.0, 1.0
+        while len(draft) < min(max_tokens, math.floor(m * factor)):
+            nxt = [e + 1 for e in ends if e + 1 < n]
+            if not nxt:
+                break
+            counts = {}
+            for e in nxt:
+                counts[tokens[e]] = counts.get(tokens[e], 0) + 1
+            tok = min(counts, key=lambda t: (-counts[t], t))
+            prob *= counts[tok] / len(ends)
+            if prob < min_prob:
+                break
+            draft.append(tok)
+            score += prob
+            ends = [e for e in nxt if tokens[e] == tok]
+        if draft and score >= best_score:
+            best, best_score = draft, score
+    return best, best_score
+
+
+def test_sequence_search_matches_the_definition():
+    import numpy as np
+
+    from specserve.proposers.suffix import speculate_in_sequence
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        n = int(rng.integers(1, 60))
+        tokens = rng.integers(0, int(rng.integers(2, 6)), size=n).tolist()
+        depth = int(rng.integers(1, 30))
+        k, factor, min_prob = int(rng.integers(1, 8)), float(rng.choice([0.5, 1.0, 2.0])), \
+            float(rng.choice([0.0, 0.1, 0.3]))
+        got = speculate_in_sequence(np.array(tokens), depth, k, factor, min_prob)
+        want = _brute_force(tokens, depth, k, factor, min_prob)
+        assert got[0] == want[0] and abs(got[1] - want[1]) < 1e-9, (trial, tokens, depth)

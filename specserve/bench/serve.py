@@ -1,0 +1,212 @@
+"""`specserve bench serve`: HTTP load on a live `specserve serve` per configuration.
+
+For each configuration (no speculation and each method) a server subprocess is started; the
+load generator streams greedy completions at each concurrency level (closed loop: a client
+sends its next request when the previous one ends) and measures output tokens/s, TTFT and
+time per output token (TPOT) percentiles. At concurrency 1 the offline engine's per-token time
+for the same configuration is measured too, in this process, on the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from specserve.bench.prompts import PROMPT_SETS
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def _one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0]["text"] and first is None:
+                first = time.perf_counter()
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    return {"ttft": (first or end) - t0, "e2e": end - t0, "tokens": n,
+            "tpot": (end - (first or end)) / max(1, n - 1)}
+
+
+async def _load(url: str, prompts: list[str], concurrency: int, num_requests: int,
+                max_tokens: int) -> dict:
+    results: list[dict] = []
+    errors = 0
+    todo = iter(range(num_requests))
+
+    async def worker(client):
+        nonlocal errors
+        for i in todo:
+            try:
+                results.append(await _one(client, url, prompts[i % len(prompts)], max_tokens))
+            except httpx.HTTPError:
+                errors += 1
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    toks = sum(r["tokens"] for r in results)
+    return {"concurrency": concurrency, "requests": len(results), "errors": errors,
+            "output_tokens_per_s": toks / wall,
+            "ttft_p50_ms": 1e3 * _pct([r["ttft"] for r in results], 0.5),
+            "ttft_p90_ms": 1e3 * _pct([r["ttft"] for r in results], 0.9),
+            "ttft_p99_ms": 1e3 * _pct([r["ttft"] for r in results], 0.99),
+            "tpot_p50_ms": 1e3 * _pct([r["tpot"] for r in results], 0.5),
+            "tpot_p90_ms": 1e3 * _pct([r["tpot"] for r in results], 0.9),
+            "tpot_p99_ms": 1e3 * _pct([r["tpot"] for r in results], 0.99)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model: str, spec: dict | None, port: int, threads: int | None):
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", model, "--device", "cpu",
+           "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", "16"]
+    if spec:
+        cmd += ["--speculative-config", json.dumps(spec)]
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in 120 s")
+
+
+def _offline_ms_per_token(model: str, spec: dict | None, prompts: list[str],
+                          max_tokens: int) -> float:
+    from specserve import LLM, SamplingParams
+    llm = LLM(model, speculative_config=spec, device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    times = []
+    for p in prompts:
+        t = time.perf_counter()
+        out = llm.generate([p], sp, use_tqdm=False)[0]
+        times.append((time.perf_counter() - t) / len(out.outputs[0].token_ids))
+    return 1e3 * statistics.median(times)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for name in dict.fromkeys(r["config"] for r in rows):
+        rs = [r for r in rows if r["config"] == name]
+        a.plot([r["concurrency"] for r in rs], [r["output_tokens_per_s"] for r in rs], "o-",
+               label=name)
+        b.plot([r["concurrency"] for r in rs], [r["tpot_p50_ms"] for r in rs], "o-", label=name)
+    a.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log", title="throughput")
+    b.set(xlabel="concurrency", ylabel="TPOT p50 (ms)", xscale="log", title="time per token")
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="specserve bench serve", description=__doc__)
+    p.add_argument("mode", choices=["serve"])
+    p.add_argument("--target", default="models/code-target")
+    p.add_argument("--draft", default="models/code-draft")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--methods", default="ngram,suffix,draft_model")
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--prompt-set", default="completion", choices=sorted(PROMPT_SETS))
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--results", default="benchmarks/RESULTS.md")
+    a = p.parse_args(argv)
+    K = a.num_speculative_tokens
+    specs: dict[str, dict | None] = {"no-spec": None}
+    all_specs = {
+        "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+                  "prompt_lookup_max": 5},
+        "suffix": {"method": "suffix", "num_speculative_tokens": K},
+        "draft_model": {"method": "draft_model", "model": a.draft, "num_speculative_tokens": K},
+    }
+    for m in filter(None, a.methods.split(",")):
+        specs[m] = all_specs[m]
+    prompts = PROMPT_SETS[a.prompt_set](16)
+    rows = []
+    for name, spec in specs.items():
+        offline_ms = _offline_ms_per_token(a.target, spec, prompts[:4], a.max_tokens)
+        port = _free_port()
+        proc = _start_server(a.target, spec, port, a.threads)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(_load(url, prompts, 1, 1, 8))                 # warm-up
+            for c in [int(x) for x in a.concurrency.split(",")]:
+                row = asyncio.run(_load(url, prompts, c, c * a.requests_per_client,
+                                        a.max_tokens))
+                row["config"] = name
+                row["offline_ms_per_token"] = offline_ms if c == 1 else None
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["config"] == "no-spec"}
+    out = Path(a.results)
+    png = out.parent / f"serve-{datetime.date.today().isoformat()}.png"
+    _plot(rows, png)
+    lines = [f"\n## Serving load: `specserve serve` over HTTP\n",
+             f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
+             f"{os.cpu_count()} CPUs",
+             f"- command: `specserve bench {' '.join(argv)}`",
+             f"- target {a.target}, draft {a.draft}, K={K}, greedy, {a.prompt_set} prompts, "
+             f"{a.max_tokens} tokens per request, closed loop, {a.requests_per_client} requests "
+             f"per client; plot: {png.name}", "",
+             "| config | concurrency | output tok/s | vs no-spec | TTFT p50/p90/p99 ms | "
+             "TPOT p50/p90/p99 ms | offline ms/token | errors |",
+             "|---|---:|---:|---:|---|---|---:|---:|"]
+    for r in rows:
+        off = "" if r["offline_ms_per_token"] is None else f"{r['offline_ms_per_token']:.2f}"
+        lines.append(
+            f"| {r['config']} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | "
+            f"{r['output_tokens_per_s'] / base[r['concurrency']]:.2f}x | "
+            f"{r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f}/{r['ttft_p99_ms']:.0f} | "
+            f"{r['tpot_p50_ms']:.2f}/{r['tpot_p90_ms']:.2f}/{r['tpot_p99_ms']:.2f} | {off} | "
+            f"{r['errors']} |")
+    with open(out, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print(json.dumps({"results": str(out), "plot": str(png)}))
