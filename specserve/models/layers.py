@@ -40,6 +40,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:                 # one fused kernel
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 like the reference implementation, then cast back.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -76,12 +78,18 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [..., seq, heads, head_dim]; positions: [..., seq]
-        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)     # [..., seq, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` [..., seq] as [..., seq, 1, head_dim]; once per forward."""
+        return (self.cos[positions].unsqueeze(-2).to(dtype),
+                self.sin[positions].unsqueeze(-2).to(dtype))
+
+
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    # x: [..., seq, heads, head_dim]
+    cos, sin = cos_sin
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -98,7 +106,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.scale = head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 md: AttentionMetadata | None, cache: tuple[torch.Tensor, torch.Tensor] | None
                 ) -> torch.Tensor:
         lead = x.shape[:-1]                                      # [T] or [B, S]
@@ -108,7 +116,7 @@ class Attention(nn.Module):
         v = v.view(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, positions), rotary(k, positions)
+        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         if md is None:                                           # training: dense causal
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

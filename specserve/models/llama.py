@@ -112,9 +112,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 md: AttentionMetadata | None, cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, md, cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, md, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -139,8 +139,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens] with `md` (cached inference) or [batch, seq]
         without (dense causal training). Returns hidden states [..., hidden_size]."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.tables(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, md, None if kv_caches is None else kv_caches[i])
+            x = layer(x, cos_sin, md, None if kv_caches is None else kv_caches[i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
