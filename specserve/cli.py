@@ -103,13 +103,19 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     from specserve.train.lm import ModelShape, train_draft, train_lm
     from specserve.train.trainer import TrainConfig
+    if args.work_dir is None:
+        args.work_dir = str(Path("runs") / Path(args.out).name)
     cfg = TrainConfig(**dataclass_kwargs(args, TrainConfig))
     shape = ModelShape(**dataclass_kwargs(args, ModelShape))
     if args.kind == "lm":
-        bpb = train_lm(cfg, shape, Path(args.export), vocab_size=args.vocab_size)
+        bpb = train_lm(cfg, shape, Path(args.out), vocab_size=args.vocab_size)
     else:
-        bpb = train_draft(cfg, shape, Path(args.target), Path(args.export))
-    print(json.dumps({"val_bits_per_byte": bpb, "model": args.export}))
+        bpb = train_draft(cfg, shape, Path(args.target), Path(args.out))
+    if bpb != bpb:
+        print(f"stopped on the time limit; run the same command again to resume "
+              f"(checkpoint in {cfg.work_dir})")
+    else:
+        print(json.dumps({"val_bits_per_byte": bpb, "model": args.out}))
 
 
 def cmd_zoo(args: argparse.Namespace) -> None:
@@ -155,10 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model: lm (pretraining) or draft (distillation)")
     t.add_argument("kind", choices=["lm", "draft"])
-    t.add_argument("--export", required=True, help="final HF model directory")
+    t.add_argument("--out", required=True, help="the trained model's HF directory")
+    t.add_argument("--work-dir", default=None, help="checkpoints and logs; a run resumes from "
+                   "here (default: runs/<name of --out>)")
     t.add_argument("--target", help="draft: the target model directory")
     t.add_argument("--vocab-size", type=int, default=8192, help="lm: BPE vocabulary size")
-    add_dataclass_args(t, TrainConfig)
+    add_dataclass_args(t, TrainConfig, skip=("work_dir",))
     add_dataclass_args(t, ModelShape)
     t.set_defaults(func=cmd_train)
 

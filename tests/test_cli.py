@@ -32,3 +32,22 @@ def test_bad_speculative_config_exits_with_message(text_model_dir):
 def test_missing_model_dir_exits_with_message(tmp_path):
     with pytest.raises(SystemExit, match="does not exist"):
         main(["generate", str(tmp_path / "none"), "--prompt", "x"])
+
+
+def test_train_lm_and_draft_commands(tmp_path, capsys, monkeypatch):
+    """The train commands wire flags to the trainer (a tiny run on a few corpus files)."""
+    import json
+
+    from specserve.train import corpus as corpus_mod
+    small = corpus_mod.Corpus.stdlib()
+    small = corpus_mod.Corpus(small.train_files[:6], small.val_files[:1])
+    monkeypatch.setattr(corpus_mod.Corpus, "stdlib", classmethod(lambda cls, **kw: small))
+    size = ["--hidden-size", "32", "--num-layers", "1", "--num-heads", "2", "--num-kv-heads", "1",
+            "--intermediate-size", "64", "--steps", "4", "--batch-size", "2", "--seq-len", "32",
+            "--warmup", "1", "--eval-every", "4", "--no-bf16", "--device", "cpu"]
+    main(["train", "lm", "--out", str(tmp_path / "lm"), "--work-dir", str(tmp_path / "w1"),
+          "--vocab-size", "300"] + size)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_bits_per_byte"] > 0
+    main(["train", "draft", "--target", str(tmp_path / "lm"), "--out", str(tmp_path / "d"),
+          "--work-dir", str(tmp_path / "w2")] + size)
+    assert (tmp_path / "d" / "config.json").is_file()

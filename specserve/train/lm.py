@@ -108,7 +108,7 @@ def train_lm(cfg: TrainConfig, shape: ModelShape, out: Path, vocab_size: int = 8
              tokenizer_dir: Path | None = None, corpus: Corpus | None = None) -> float:
     """Pretrain a model; returns its validation bits per byte."""
     device = _setup(cfg)
-    work = Path(cfg.out)
+    work = Path(cfg.work_dir)
     tok_dir = tokenizer_dir or work / "tokenizer"
     train_ids, val_ids, val_bytes = prepare_data(tok_dir, work, corpus or Corpus.stdlib(),
                                                  vocab_size)
@@ -130,7 +130,7 @@ def train_draft(cfg: TrainConfig, shape: ModelShape, target_dir: Path, out: Path
                 corpus: Corpus | None = None) -> float:
     """Distil a small draft from `target_dir` (KL to the target on corpus text)."""
     device = _setup(cfg)
-    work = Path(cfg.out)
+    work = Path(cfg.work_dir)
     teacher = load_model(target_dir, torch.float32, device)
     for p in teacher.parameters():
         p.requires_grad_(False)

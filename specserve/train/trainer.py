@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 @dataclass
 class TrainConfig:
-    out: str = field(metadata={"help": "output model directory"})
+    work_dir: str = field(metadata={"help": "checkpoints, token cache, loss log and plot"})
     steps: int = field(default=2000, metadata={"help": "optimizer steps in the schedule"})
     batch_size: int = field(default=8, metadata={"help": "sequences per step"})
     seq_len: int = field(default=512, metadata={"help": "tokens per training sequence"})
@@ -149,10 +149,10 @@ def train(model, train_tokens: np.ndarray, val_tokens: np.ndarray, val_bytes: in
           cfg: TrainConfig, device: torch.device, teacher=None) -> list[dict]:
     """Train `model` in place; with `teacher`, distil its distribution into the model.
 
-    Checkpoints go to `<out>/checkpoint.safetensors` and a run resumes from there. Returns the
+    Checkpoints go to `<work_dir>/checkpoint.safetensors` and a run resumes from there. Returns the
     log (one dict per logged step). Stops early, resumable, after `cfg.max_minutes`.
     """
-    out = Path(cfg.out)
+    out = Path(cfg.work_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.to(device).train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]

@@ -19,12 +19,12 @@ DRAFT_SHAPE = ModelShape(hidden_size=192, num_layers=2, num_heads=3, num_kv_head
 
 
 def target_config(work: Path, **kw) -> TrainConfig:
-    return TrainConfig(out=str(work / "code-target"), steps=2600, batch_size=8, seq_len=512,
+    return TrainConfig(work_dir=str(work / "code-target"), steps=2600, batch_size=8, seq_len=512,
                        lr=1.5e-3, warmup=100, eval_every=500, ckpt_every=50, **kw)
 
 
 def draft_config(work: Path, **kw) -> TrainConfig:
-    return TrainConfig(out=str(work / "code-draft"), steps=1000, batch_size=8, seq_len=512,
+    return TrainConfig(work_dir=str(work / "code-draft"), steps=1000, batch_size=8, seq_len=512,
                        lr=2e-3, warmup=50, eval_every=400, ckpt_every=50, **kw)
 
 

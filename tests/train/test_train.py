@@ -43,7 +43,7 @@ def test_tokenizer_round_trips_corpus_files(small_corpus):
 def tiny_lm(small_corpus, tmp_path_factory):
     work = tmp_path_factory.mktemp("work")
     out = tmp_path_factory.mktemp("lm")
-    cfg = TrainConfig(out=str(work), steps=40, batch_size=4, seq_len=64, lr=3e-3, warmup=5,
+    cfg = TrainConfig(work_dir=str(work), steps=40, batch_size=4, seq_len=64, lr=3e-3, warmup=5,
                       eval_every=40, bf16=False, device="cpu")
     bpb = train_lm(cfg, TINY, out, vocab_size=400, corpus=small_corpus)
     log = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
@@ -78,7 +78,7 @@ def test_trained_model_loads_in_transformers_with_equal_greedy(tiny_lm):
 
 def test_resume_continues_from_checkpoint(small_corpus, tiny_lm, tmp_path):
     out, _, _ = tiny_lm
-    cfg = TrainConfig(out=str(tmp_path), steps=6, batch_size=2, seq_len=32, warmup=2,
+    cfg = TrainConfig(work_dir=str(tmp_path), steps=6, batch_size=2, seq_len=32, warmup=2,
                       ckpt_every=3, eval_every=6, bf16=False, device="cpu", max_minutes=0.0)
     train_lm(cfg, TINY, tmp_path / "out", tokenizer_dir=out, corpus=small_corpus)
     assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == 1  # stopped at once
@@ -92,7 +92,7 @@ def test_draft_distillation_lowers_kl(small_corpus, tiny_lm, tmp_path):
     target, _, _ = tiny_lm
     shape = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                        intermediate_size=64, tie_embeddings=True, max_position_embeddings=128)
-    cfg = TrainConfig(out=str(tmp_path / "w"), steps=30, batch_size=4, seq_len=64, lr=3e-3,
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=30, batch_size=4, seq_len=64, lr=3e-3,
                       warmup=3, eval_every=30, bf16=False, device="cpu")
     train_draft(cfg, shape, target, tmp_path / "draft", corpus=small_corpus)
     log = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
