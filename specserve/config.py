@@ -132,6 +132,10 @@ class SpeculativeConfig:
         "help": "synthetic only: probability that each draft token is accepted"})
     draft_sample_method: str = field(default="greedy", metadata={
         "help": "greedy or probabilistic drafting (draft_model)"})
+    disable_by_batch_size: int | None = field(default=None, metadata={
+        "help": "no speculation while this many requests or more are running"})
+    num_speculative_tokens_per_batch_size: list | None = field(default=None, metadata={
+        "help": "[[start, end, K], ...]: K by number of running requests (inclusive ranges)"})
 
     @classmethod
     def from_dict(cls, data: dict) -> "SpeculativeConfig":
@@ -217,6 +221,40 @@ class SpeculativeConfig:
         if self.draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got "
                              f"{self.draft_sample_method!r}")
+        if self.disable_by_batch_size is not None and (
+                not isinstance(self.disable_by_batch_size, int) or self.disable_by_batch_size < 2):
+            raise ValueError("disable_by_batch_size must be an int >= 2, got "
+                             f"{self.disable_by_batch_size!r}")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            _check_schedule(self.num_speculative_tokens_per_batch_size)
+
+    def k_for_batch_size(self, batch_size: int) -> int:
+        """Draft tokens per request when `batch_size` requests are running."""
+        k = self.num_speculative_tokens
+        if self.disable_by_batch_size is not None and batch_size >= self.disable_by_batch_size:
+            return 0
+        if self.num_speculative_tokens_per_batch_size:
+            # Gaps and the tail carry the previous range's K forward.
+            for start, _end, k_range in self.num_speculative_tokens_per_batch_size:
+                if batch_size >= start:
+                    k = min(k_range, self.num_speculative_tokens)
+        return k
+
+
+def _check_schedule(schedule) -> None:
+    hint = ("num_speculative_tokens_per_batch_size must be a list of [start, end, K] with "
+            "inclusive ranges, the first starting at 1, sorted and not overlapping, K >= 0")
+    if not isinstance(schedule, list) or not schedule:
+        raise ValueError(hint)
+    prev_end = 0
+    for i, entry in enumerate(schedule):
+        if not isinstance(entry, (list, tuple)) or len(entry) != 3 or not all(
+                isinstance(x, int) for x in entry):
+            raise ValueError(f"{hint}; entry {i} is {entry!r}")
+        start, end, k = entry
+        if (i == 0 and start != 1) or start <= prev_end or end < start or k < 0:
+            raise ValueError(f"{hint}; entry {i} is {list(entry)!r}")
+        prev_end = end
 
 
 def infer_method(model: str | None) -> str:

@@ -237,3 +237,18 @@ def test_synthetic_acceptance(llama_dir):
     llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
     llm.generate(TokensPrompt(prompt_token_ids=[1, 2, 3] * 5), _greedy(), use_tqdm=False)
     assert llm.get_metrics()["acceptance_rate"] == 1.0
+
+
+def test_disable_by_batch_size_keeps_greedy_output(llama_dir, draft_dir):
+    cfg = spec_configs(draft_dir)["ngram"] | {"disable_by_batch_size": 3}
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(6, seed=11)]
+    ref = LLM(str(llama_dir), device="cpu").generate(ps, _greedy(), use_tqdm=False)
+    llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+    got = llm.generate(ps, _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    batched_drafts = llm.get_metrics()["spec_decode_num_drafts"]
+    alone = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+    for p in ps:
+        alone.generate(p, _greedy(), use_tqdm=False)
+    # With 6 requests running, speculation is off until only 2 remain.
+    assert batched_drafts < alone.get_metrics()["spec_decode_num_drafts"]

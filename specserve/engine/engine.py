@@ -241,12 +241,15 @@ class LLMEngine:
             self.proposer.finish(req)
 
     def _propose(self, batch: list[ScheduledRequest], out, emitted: dict[str, list[int]]) -> None:
+        k = self.spec.k_for_batch_size(len(self.scheduler.running))
+        if k == 0:
+            return
         reqs, budgets, index, counts = [], [], [], []
         for i, b in enumerate(batch):
             r = b.request
             if r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
                 continue
-            room = min(self.num_spec_tokens, r.max_new_tokens - 1)
+            room = min(k, r.max_new_tokens - 1)
             if room <= 0:
                 continue
             reqs.append(r)
