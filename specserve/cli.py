@@ -119,6 +119,10 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_zoo(args: argparse.Namespace) -> None:
+    if args.action == "eval":
+        from specserve.train.evaluate import zoo_report
+        zoo_report(args.out)
+        return
     from specserve.train.zoo import build_zoo
     build_zoo(args.out, max_minutes=args.max_minutes, device=args.device)
 
@@ -170,8 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(t, ModelShape)
     t.set_defaults(func=cmd_train)
 
-    z = sub.add_parser("zoo", help="rebuild the bundled model zoo")
-    z.add_argument("action", choices=["build"])
+    z = sub.add_parser("zoo", help="rebuild (build) or measure (eval) the bundled model zoo")
+    z.add_argument("action", choices=["build", "eval"])
     z.add_argument("--out", default="models")
     z.add_argument("--max-minutes", type=float, default=None,
                    help="stop each stage after this long (resumable)")

@@ -81,3 +81,16 @@ def test_verify_step_after_rollback_matches(hf_model):
     seq = prompt + wrong[:1] + right
     out = s.run([right], [21], [1])[0]          # a (k+1)-token verify step, k = 3
     assert (out - ref_logits(hf, seq)[21:]).abs().max() <= TOL
+
+
+def test_half_precision_dtypes_track_float32(llama_dir):
+    import torch as t
+    ids = t.randint(0, 96, (24,), generator=t.Generator().manual_seed(5)).tolist()
+    ref = Stepper(llama_dir).run([ids], [0], [0])[0]
+    for dtype in (t.bfloat16, t.float16):
+        m = load_model(llama_dir, dtype, t.device("cpu"))
+        cache = KVCache(2, 1, 2, 64, 16, dtype, t.device("cpu"))
+        md, pos = build_metadata([0], [len(ids)], [0], t.device("cpu"))
+        with t.inference_mode():
+            out = m.compute_logits(m(t.tensor(ids), pos, md, cache.layers)).float()
+        assert out.dtype == t.float32 and (out - ref).abs().max() < 0.1 * ref.abs().max()

@@ -1,0 +1,62 @@
+"""`specserve zoo eval`: the quality figures of the bundled models.
+
+- bits per byte on the held-out corpus files;
+- the share of distinct 4-grams in the target's greedy 128-token completions of code prompts
+  (a degenerate model loops and scores low);
+- batch-1 decode step cost of target and draft in specserve, measured side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from specserve.bench.prompts import completion_prompts
+from specserve.train.lm import measure_bpb
+
+
+def distinct_4gram_share(tokens: list[int]) -> float:
+    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def greedy_completions(model_dir: str, prompts: list[str], max_tokens: int = 128):
+    from specserve import LLM, SamplingParams
+    llm = LLM(model_dir, device="cpu")
+    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                ignore_eos=True), use_tqdm=False)
+
+
+def step_ms(model_dir: str, tokens: int = 128, repeats: int = 3) -> float:
+    """Median batch-1 greedy decode time per token."""
+    from specserve import LLM, SamplingParams, TokensPrompt
+    llm = LLM(model_dir, device="cpu")
+    p = TokensPrompt(prompt_token_ids=list(range(10, 74)))
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate(p, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        llm.generate(p, sp, use_tqdm=False)
+        times.append((time.perf_counter() - t) / tokens * 1e3)
+    return statistics.median(times)
+
+
+def zoo_report(models: str = "models") -> dict:
+    target, draft = f"{models}/code-target", f"{models}/code-draft"
+    outs = greedy_completions(target, completion_prompts(8))
+    shares = [distinct_4gram_share(o.outputs[0].token_ids) for o in outs]
+    report = {
+        "target_val_bits_per_byte": round(measure_bpb(Path(target)), 4),
+        "draft_val_bits_per_byte": round(measure_bpb(Path(draft)), 4),
+        "target_distinct_4gram_share_min": round(min(shares), 3),
+        "target_distinct_4gram_share_mean": round(sum(shares) / len(shares), 3),
+    }
+    t_ms, d_ms = step_ms(target), step_ms(draft)
+    report |= {"target_ms_per_token": round(t_ms, 2), "draft_ms_per_token": round(d_ms, 2),
+               "target_over_draft_step_cost": round(t_ms / d_ms, 2),
+               "sample_completion": outs[0].prompt + outs[0].outputs[0].text}
+    print(json.dumps(report, indent=2))
+    return report
