@@ -23,8 +23,10 @@ class SpecDecodingStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
         for pos in range(num_accepted):
-            self.num_accepted_tokens_per_pos[pos] += 1
+            per_pos[pos] += 1
 
     @property
     def acceptance_rate(self) -> float:

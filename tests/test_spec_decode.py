@@ -252,3 +252,11 @@ def test_disable_by_batch_size_keeps_greedy_output(llama_dir, draft_dir):
         alone.generate(p, _greedy(), use_tqdm=False)
     # With 6 requests running, speculation is off until only 2 remain.
     assert batched_drafts < alone.get_metrics()["spec_decode_num_drafts"]
+
+
+def test_spec_max_model_len_applies_to_every_method(llama_dir):
+    cfg = {"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 40}
+    llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+    out = llm.generate(TokensPrompt(prompt_token_ids=list(range(36))), _greedy(100),
+                       use_tqdm=False)[0].outputs[0]
+    assert llm.engine.max_model_len == 40 and len(out.token_ids) == 4

@@ -26,12 +26,11 @@ from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger("specserve")
 
 
-def _eos_ids(model_dir: str, tokenizer: Tokenizer | None) -> frozenset[int]:
+def _eos_ids(model_dir: str, cfg: dict, tokenizer: Tokenizer | None) -> frozenset[int]:
     """EOS ids from generation_config.json, config.json and the tokenizer."""
     ids: set[int] = set()
     gen_path = Path(model_dir) / "generation_config.json"
     gen = read_json(gen_path) if gen_path.is_file() else {}
-    cfg = load_hf_config(model_dir)
     for src in (gen.get("eos_token_id"), cfg.get("eos_token_id")):
         if isinstance(src, int):
             ids.add(src)
@@ -64,7 +63,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(mc.model) if (Path(mc.model) / "tokenizer.json").is_file() else None
         self.model = load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len)
         self.vocab_size = self.model.args.vocab_size
-        self.eos_token_ids = _eos_ids(mc.model, self.tokenizer)
+        self.eos_token_ids = _eos_ids(mc.model, hf, self.tokenizer)
         sc = config.scheduler_config
         self.cache = make_kv_cache(self.model, sc.max_num_seqs, self.max_model_len)
         self.runner = ModelRunner(self.model, self.cache, self.device)
@@ -73,6 +72,8 @@ class LLMEngine:
         caches = [self.cache]
         if self.spec is not None:
             from specserve.proposers import build_proposer
+            if self.spec.max_model_len is not None:
+                self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
             self.proposer = build_proposer(self.spec, self)
             caches += getattr(self.proposer, "caches", [])
         self.scheduler = Scheduler(sc, caches)
@@ -158,10 +159,8 @@ class LLMEngine:
                    if b.num_sample_rows or b.request.is_finished]
         for b in batch:
             if b.request.is_finished:
-                self.scheduler.finish(b.request)
                 self.requests.pop(b.request.request_id, None)
-                if self.proposer is not None:
-                    self.proposer.finish(b.request)
+                self._finish(b.request)
         if self.proposer is not None:
             self._propose(batch, out, emitted)
         self._maybe_log()
@@ -173,15 +172,8 @@ class LLMEngine:
         num_accepted = len(tokens) - 1
         # KV was written for [last, d1..dk]; keep it for [last, d1..d_accepted] only.
         req.num_computed_tokens += b.num_new_tokens - (k - num_accepted)
-        if k:
-            self.spec_stats.observe(k, num_accepted)
-            req.spec_metrics.num_drafts += 1
-            req.spec_metrics.num_draft_tokens += k
-            req.spec_metrics.num_accepted_tokens += num_accepted
-            per_pos = req.spec_metrics.accepted_per_pos
-            per_pos.extend([0] * (k - len(per_pos)))
-            for pos in range(num_accepted):
-                per_pos[pos] += 1
+        self.spec_stats.observe(k, num_accepted)
+        req.spec_metrics.observe(k, num_accepted)
         req.spec_token_ids = []
         req.spec_token_probs = None
         if req.first_token_time is None:

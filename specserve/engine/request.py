@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.outputs import SpecDecodeRequestMetrics
+from specserve.metrics import SpecDecodingStats
 from specserve.sampling_params import SamplingParams
 from specserve.tokenizer import IncrementalDetokenizer
 
@@ -42,7 +42,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
-    spec_metrics: SpecDecodeRequestMetrics = field(default_factory=SpecDecodeRequestMetrics)
+    spec_metrics: SpecDecodingStats = field(default_factory=lambda: SpecDecodingStats(0))
     first_token_time: float | None = None
     finish_time: float | None = None
 

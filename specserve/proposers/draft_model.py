@@ -32,7 +32,7 @@ class DraftModelProposer:
         from specserve.engine.engine import make_kv_cache
         draft_cfg = load_hf_config(config.model)
         draft_len = draft_cfg.get("max_position_embeddings", 2048)
-        limit = min(draft_len, engine.max_model_len, config.max_model_len or draft_len)
+        limit = min(draft_len, engine.max_model_len)
         engine.max_model_len = limit
         self.model = load_model(config.model, engine.dtype, engine.device, max_len=limit)
         if self.model.args.vocab_size != engine.vocab_size:

@@ -199,7 +199,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             return None
         return {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                 "num_accepted_tokens": s.num_accepted_tokens,
-                "accepted_per_position": s.accepted_per_pos,
+                "accepted_per_position": s.num_accepted_tokens_per_pos,
                 "acceptance_rate": s.acceptance_rate,
                 "mean_acceptance_length": s.mean_acceptance_length}
 
