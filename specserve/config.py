@@ -138,7 +138,7 @@ class SpeculativeConfig:
         "help": "[[start, end, K], ...]: K by number of running requests (inclusive ranges)"})
 
     @classmethod
-    def from_dict(cls, data: dict) -> "SpeculativeConfig":
+    def from_dict(cls, data: dict) -> SpeculativeConfig:
         if isinstance(data, SpeculativeConfig):
             return data
         if not isinstance(data, dict):

@@ -26,7 +26,7 @@ def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
     """Prompts with repeats, so that ngram/suffix find matches."""
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         base = torch.randint(0, 90, (int(torch.randint(2, 12, (1,), generator=g)),),
                              generator=g).tolist()
         out.append((base * 4)[:int(torch.randint(3, 40, (1,), generator=g))])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specserve.bench.methods import add_common_args, configs
 from specserve.bench.prompts import PROMPT_SETS
 
 
@@ -162,10 +163,7 @@ def _plot(all_results: dict[str, list[Result]], path: Path) -> None:
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="specserve bench latency", description=__doc__)
     p.add_argument("mode", choices=["latency"])
-    p.add_argument("--target", default="models/code-target")
-    p.add_argument("--draft", default="models/code-draft")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--methods", default="ngram,suffix,draft_model")
+    add_common_args(p)
     p.add_argument("--prompt-sets", default="completion,editing")
     p.add_argument("--batch-sizes", default="1,8")
     p.add_argument("--num-prompts", type=int, default=8)
@@ -174,22 +172,12 @@ def main(argv: list[str]) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
-    p.add_argument("--results", default="benchmarks/RESULTS.md")
     p.add_argument("--title", default="Offline latency: specserve methods and transformers")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     K = a.num_speculative_tokens
-    specs = {
-        "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
-                  "prompt_lookup_max": 5},
-        "suffix": {"method": "suffix", "num_speculative_tokens": K},
-        "draft_model": {"method": "draft_model", "model": a.draft, "num_speculative_tokens": K},
-    }
-    methods = [m for m in a.methods.split(",") if m]
-    unknown = set(methods) - set(specs)
-    if unknown:
-        raise SystemExit(f"unknown method(s) {sorted(unknown)}; choose from {sorted(specs)}")
+    specs = configs(a)
     all_results: dict[str, list[Result]] = {}
     bw = memory_bandwidth_gbs()
     for set_name in a.prompt_sets.split(","):
@@ -198,11 +186,11 @@ def main(argv: list[str]) -> None:
             # Fresh engines per suite so acceptance statistics belong to this suite only.
             runners = [SpecserveRunner("specserve no-spec", a.target, None, a.dtype)]
             runners += [SpecserveRunner(f"specserve {m} (K={K})", a.target, specs[m], a.dtype)
-                        for m in methods]
+                        for m in specs]
             if not a.no_transformers and batch == 1:
                 runners += [TransformersRunner("transformers generate()", a.target, None, None,
                                                a.dtype),
-                            TransformersRunner(f"transformers assisted (draft, K dynamic)",
+                            TransformersRunner("transformers assisted (draft, K dynamic)",
                                                a.target, a.draft, None, a.dtype),
                             TransformersRunner(f"transformers prompt lookup ({K})", a.target,
                                                None, K, a.dtype)]
@@ -222,6 +210,7 @@ def main(argv: list[str]) -> None:
              f"torch {torch.__version__}",
              f"- command: `{cmd}`",
              f"- target {a.target}, draft {a.draft}, dtype {a.dtype}, greedy, "
+             f"speculative_config extra: {a.spec_extra or 'none'}, "
              f"{a.num_prompts} prompts x {a.max_tokens} new tokens, median of {a.rounds} rounds",
              f"- measured read bandwidth {bw:.1f} GB/s; target weights streamed per step "
              f"{wb / 1e6:.1f} MB -> bandwidth floor {wb / bw / 1e6:.2f} ms/token",

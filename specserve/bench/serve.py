@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from specserve.bench.methods import add_common_args, configs
 from specserve.bench.prompts import PROMPT_SETS
 
 
@@ -145,27 +146,14 @@ def _plot(rows: list[dict], path: Path) -> None:
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="specserve bench serve", description=__doc__)
     p.add_argument("mode", choices=["serve"])
-    p.add_argument("--target", default="models/code-target")
-    p.add_argument("--draft", default="models/code-draft")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--methods", default="ngram,suffix,draft_model")
+    add_common_args(p)
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--prompt-set", default="completion", choices=sorted(PROMPT_SETS))
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--results", default="benchmarks/RESULTS.md")
     a = p.parse_args(argv)
-    K = a.num_speculative_tokens
-    specs: dict[str, dict | None] = {"no-spec": None}
-    all_specs = {
-        "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
-                  "prompt_lookup_max": 5},
-        "suffix": {"method": "suffix", "num_speculative_tokens": K},
-        "draft_model": {"method": "draft_model", "model": a.draft, "num_speculative_tokens": K},
-    }
-    for m in filter(None, a.methods.split(",")):
-        specs[m] = all_specs[m]
+    specs: dict[str, dict | None] = {"no-spec": None} | configs(a)
     prompts = PROMPT_SETS[a.prompt_set](16)
     rows = []
     for name, spec in specs.items():
@@ -189,11 +177,12 @@ def main(argv: list[str]) -> None:
     out = Path(a.results)
     png = out.parent / f"serve-{datetime.date.today().isoformat()}.png"
     _plot(rows, png)
-    lines = [f"\n## Serving load: `specserve serve` over HTTP\n",
+    lines = ["\n## Serving load: `specserve serve` over HTTP\n",
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
              f"{os.cpu_count()} CPUs",
              f"- command: `specserve bench {' '.join(argv)}`",
-             f"- target {a.target}, draft {a.draft}, K={K}, greedy, {a.prompt_set} prompts, "
+             f"- target {a.target}, draft {a.draft}, K={a.num_speculative_tokens}, greedy, "
+             f"extra speculative_config {a.spec_extra or 'none'}, {a.prompt_set} prompts, "
              f"{a.max_tokens} tokens per request, closed loop, {a.requests_per_client} requests "
              f"per client; plot: {png.name}", "",
              "| config | concurrency | output tok/s | vs no-spec | TTFT p50/p90/p99 ms | "

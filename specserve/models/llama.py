@@ -38,7 +38,7 @@ class LlamaArgs:
     sliding_window: int | None      # only accepted when max_model_len fits inside it
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> "LlamaArgs":
+    def from_hf_config(cls, cfg: dict, source: str = "config.json") -> LlamaArgs:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in ARCHITECTURES:

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 __all__ = ["Proposal", "ProposeBatch", "Proposer", "build_proposer"]
 
 
-def build_proposer(config: SpeculativeConfig, engine: "LLMEngine") -> Proposer:
+def build_proposer(config: SpeculativeConfig, engine: LLMEngine) -> Proposer:
     from specserve.proposers.ngram import NgramProposer
     from specserve.proposers.suffix import SuffixProposer
     from specserve.proposers.draft_model import DraftModelProposer

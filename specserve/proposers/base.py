@@ -22,11 +22,11 @@ class Proposal:
 class ProposeBatch:
     """Requests that decode next step, with how many drafts each may get."""
 
-    requests: list["Request"]
+    requests: list[Request]
     max_num_tokens: list[int]             # per request: min(K, room left before its limits)
     # The target step that just ran (hidden states for head-based methods); its requests are a
     # superset of `requests`, found through `request_index`.
-    runner_output: "RunnerOutput | None"
+    runner_output: RunnerOutput | None
     request_index: list[int]              # position of each request in the step's batch
     num_emitted: list[int]                # tokens each request gained this step
 
@@ -36,6 +36,6 @@ class Proposer(Protocol):
         """Draft up to `batch.max_num_tokens[i]` tokens for each request."""
         ...
 
-    def finish(self, request: "Request") -> None:
+    def finish(self, request: Request) -> None:
         """Forget per-request state (the request finished or was aborted)."""
         ...

@@ -90,7 +90,7 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
         logits = self._forward(reqs, feeds, starts)
-        for i, r in enumerate(reqs):
+        for r in reqs:
             self.state[r.request_id].num_computed = r.num_tokens
         while True:
             toks, ps = self._pick(logits, [reqs[i] for i in active])

@@ -28,8 +28,8 @@ from specserve.proposers.base import Proposal, ProposeBatch
 @dataclass(slots=True, eq=False)
 class Node:
     count: int = 0
-    children: dict[int, "Node"] = field(default_factory=dict)
-    best: "tuple[int, Node] | None" = None        # most frequent child, kept up to date
+    children: dict[int, Node] = field(default_factory=dict)
+    best: tuple[int, Node] | None = None        # most frequent child, kept up to date
 
 
 class SuffixTree:

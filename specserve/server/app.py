@@ -182,10 +182,10 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     async def _collect(request: Request, gens: list[AsyncIterator[RequestOutput]]
                        ) -> list[RequestOutput]:
         async def last_of(gen):
-            out = None
+            last = None
             async for out in gen:
-                pass
-            return out
+                last = out
+            return last
         work = asyncio.ensure_future(asyncio.gather(*(last_of(g) for g in gens)))
         watcher = asyncio.ensure_future(_until_disconnect(request, work))
         try:

@@ -19,7 +19,7 @@ class Corpus:
     val_files: list[Path]
 
     @classmethod
-    def stdlib(cls, val_fraction: float = 0.02, limit: int | None = None) -> "Corpus":
+    def stdlib(cls, val_fraction: float = 0.02, limit: int | None = None) -> Corpus:
         root = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(p for p in root.rglob("*.py")
                        if "site-packages" not in p.parts and "dist-packages" not in p.parts
