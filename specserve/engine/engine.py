@@ -11,7 +11,7 @@ import torch
 
 from specserve.config import EngineConfig, resolve_device, resolve_dtype
 from specserve.engine.request import Request, RequestStatus
-from specserve.engine.runner import ModelRunner
+from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.kv_cache import KVCache
 from specserve.metrics import SpecDecodingStats
@@ -77,6 +77,8 @@ class LLMEngine:
             self.proposer = build_proposer(self.spec, self)
             caches += getattr(self.proposer, "caches", [])
         self.scheduler = Scheduler(sc, caches)
+        if self.proposer is not None:
+            self.runner.aux_layers = tuple(getattr(self.proposer, "aux_hidden_layers", ()))
         self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec else 0
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens)
         self.requests: dict[str, Request] = {}
@@ -138,7 +140,6 @@ class LLMEngine:
             return []
         out = self.runner.execute(batch)
         sampled = [b for b in batch if b.num_sample_rows]
-        emitted: dict[str, list[int]] = {}
         if sampled:
             vreqs = [VerifyRequest(b.request.spec_token_ids[:b.num_spec_tokens],
                                    b.request.spec_token_probs, b.request.params,
@@ -149,7 +150,6 @@ class LLMEngine:
             row = 0
             for b, toks in zip(sampled, tokens):
                 toks = [t for t in toks if t != PLACEHOLDER_TOKEN_ID]
-                emitted[b.request.request_id] = toks
                 self._update(b, toks, out.logits[row:row + b.num_sample_rows])
                 row += b.num_sample_rows
         for b in batch:
@@ -162,7 +162,7 @@ class LLMEngine:
                 self.requests.pop(b.request.request_id, None)
                 self._finish(b.request)
         if self.proposer is not None:
-            self._propose(batch, out, emitted)
+            self._propose(batch, out)
         self._maybe_log()
         return outputs
 
@@ -232,25 +232,19 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.finish(req)
 
-    def _propose(self, batch: list[ScheduledRequest], out, emitted: dict[str, list[int]]) -> None:
+    def _propose(self, batch: list[ScheduledRequest], out: RunnerOutput) -> None:
         k = self.spec.k_for_batch_size(len(self.scheduler.running))
-        if k == 0:
-            return
-        reqs, budgets, index, counts = [], [], [], []
-        for i, b in enumerate(batch):
+        reqs, budgets = [], []
+        for b in batch:
             r = b.request
-            if r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
+            if k == 0 or r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
                 continue
             room = min(k, r.max_new_tokens - 1)
-            if room <= 0:
-                continue
-            reqs.append(r)
-            budgets.append(room)
-            index.append(i)
-            counts.append(len(emitted.get(r.request_id, [])))
-        if not reqs:
-            return
-        proposals = self.proposer.propose(ProposeBatch(reqs, budgets, out, index, counts))
+            if room > 0:
+                reqs.append(r)
+                budgets.append(room)
+        proposals = self.proposer.propose(
+            ProposeBatch(reqs, budgets, [b.request for b in batch], out))
         for r, prop, room in zip(reqs, proposals, budgets):
             assert len(prop.token_ids) <= room, "a proposer returned more drafts than allowed"
             r.spec_token_ids = list(prop.token_ids)

@@ -19,8 +19,14 @@ from specserve.models.layers import AttentionMetadata
 class RunnerOutput:
     logits: torch.Tensor            # [num_sample_rows, vocab] float32, request-major
     hidden: torch.Tensor            # [num_tokens, hidden] final hidden states of all fed tokens
+    aux_hidden: torch.Tensor | None  # [num_tokens, len(aux_layers) * hidden] or None
     token_ids: torch.Tensor         # [num_tokens] the fed tokens
     cu_num_tokens: list[int]        # [batch + 1] offsets of each request's tokens in the flat batch
+    starts: list[int]               # [batch] position of each request's first fed token
+
+    def rows(self, i: int, num_valid_end: int) -> tuple[int, int]:
+        """Flat rows of request i whose KV is kept: positions starts[i]..num_valid_end-1."""
+        return self.cu_num_tokens[i], self.cu_num_tokens[i] + num_valid_end - self.starts[i]
 
 
 def build_metadata(starts: list[int], lens: list[int], slots: list[int],
@@ -57,6 +63,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = device
+        self.aux_layers: tuple[int, ...] = ()     # set by the engine for EAGLE-3 proposers
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> RunnerOutput:
@@ -76,10 +83,15 @@ class ModelRunner:
             sample_rows.extend(range(cu[-1] - item.num_sample_rows, cu[-1]))
         md, positions = build_metadata(starts, lens, slots, self.device)
         token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(token_ids, positions, md, self.cache.layers)     # [T, H]
+        aux = None
+        if self.aux_layers:
+            hidden, aux = self.model(token_ids, positions, md, self.cache.layers,
+                                     aux_layers=self.aux_layers)            # [T, H], [T, n*H]
+        else:
+            hidden = self.model(token_ids, positions, md, self.cache.layers)  # [T, H]
         if len(sample_rows) == len(ids):
             rows = hidden
         else:
             rows = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         logits = self.model.compute_logits(rows).float()                     # [N, V]
-        return RunnerOutput(logits, hidden, token_ids, cu)
+        return RunnerOutput(logits, hidden, aux, token_ids, cu, starts)

@@ -135,13 +135,21 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata | None = None,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                aux_layers: tuple[int, ...] = ()):
         """input_ids, positions: [num_tokens] with `md` (cached inference) or [batch, seq]
-        without (dense causal training). Returns hidden states [..., hidden_size]."""
+        without (dense causal training). Returns the final (normed) hidden states
+        [..., hidden_size]; with `aux_layers`, also the inputs of those layers concatenated
+        [..., len(aux_layers) * hidden_size] (what EAGLE-3 heads read)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.tables(positions, x.dtype)
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux.append(x)
             x = layer(x, cos_sin, md, None if kv_caches is None else kv_caches[i])
+        if aux_layers:
+            return self.norm(x), torch.cat(aux, dim=-1)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

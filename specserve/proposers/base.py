@@ -20,20 +20,23 @@ class Proposal:
 
 @dataclass(slots=True)
 class ProposeBatch:
-    """Requests that decode next step, with how many drafts each may get."""
+    """Requests that decode next step, with how many drafts each may get, and the target step
+    that just ran (all of its requests, including prompt chunks, for proposers that keep state
+    built from the target's hidden states)."""
 
-    requests: list[Request]
+    requests: list["Request"]
     max_num_tokens: list[int]             # per request: min(K, room left before its limits)
-    # The target step that just ran (hidden states for head-based methods); its requests are a
-    # superset of `requests`, found through `request_index`.
-    runner_output: RunnerOutput | None
-    request_index: list[int]              # position of each request in the step's batch
-    num_emitted: list[int]                # tokens each request gained this step
+    step_requests: list["Request"]        # every request of the step, in runner order
+    runner_output: "RunnerOutput"
 
 
 class Proposer(Protocol):
+    # Target layers whose input hidden states the proposer needs (EAGLE-3); () for none.
+    aux_hidden_layers: tuple[int, ...]
+
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
-        """Draft up to `batch.max_num_tokens[i]` tokens for each request."""
+        """Draft up to `batch.max_num_tokens[i]` tokens for each of `batch.requests` (which may
+        be empty: the call still lets stateful proposers see the step)."""
         ...
 
     def finish(self, request: Request) -> None:

@@ -44,6 +44,7 @@ class DraftModelProposer:
         self.device = engine.device
         self.sample = config.draft_sample_method == "probabilistic"
         self.state: dict[str, _DraftState] = {}
+        self.aux_hidden_layers = ()
 
     def _forward(self, reqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Feed each request its tokens at `starts`; returns logits of each one's last token."""
@@ -73,6 +74,8 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
         reqs, budgets = batch.requests, batch.max_num_tokens
+        if not reqs:
+            return []
         starts, feeds = [], []
         for r in reqs:
             st = self.state.setdefault(r.request_id, _DraftState())

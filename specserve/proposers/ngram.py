@@ -33,6 +33,8 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
+    aux_hidden_layers = ()
+
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
         return [Proposal(find_ngram_draft(np.asarray(r.all_token_ids, dtype=np.int64),
                                           self.min_n, self.max_n, k))

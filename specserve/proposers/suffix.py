@@ -189,6 +189,8 @@ class SuffixProposer:
         st.num_seen = req.num_tokens
         return st
 
+    aux_hidden_layers = ()
+
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
         out = []
         for req, k in zip(batch.requests, batch.max_num_tokens):

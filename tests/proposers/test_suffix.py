@@ -50,7 +50,7 @@ def _req(rid, prompt, output=()):
 
 
 def _batch(reqs, k=4):
-    return ProposeBatch(reqs, [k] * len(reqs), None, list(range(len(reqs))), [1] * len(reqs))
+    return ProposeBatch(reqs, [k] * len(reqs), reqs, None)
 
 
 def test_global_tree_drafts_from_past_responses_and_evicts_fifo():
