@@ -96,11 +96,12 @@ class Attention(nn.Module):
     """GQA self-attention with fused q/k/v, optional q/k bias (Qwen2) and q/k RMSNorm (Qwen3)."""
 
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 bias: bool, qk_norm: bool, eps: float) -> None:
+                 bias: bool, qk_norm: bool, eps: float, in_dim: int | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        # in_dim: input width when it differs from the output (EAGLE-3 attends over 2H inputs)
+        self.qkv_proj = nn.Linear(in_dim or hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None

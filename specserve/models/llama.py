@@ -143,13 +143,13 @@ class LlamaForCausalLM(nn.Module):
         [..., len(aux_layers) * hidden_size] (what EAGLE-3 heads read)."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.tables(positions, x.dtype)
-        aux = []
+        saved = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
-                aux.append(x)
+                saved[i] = x
             x = layer(x, cos_sin, md, None if kv_caches is None else kv_caches[i])
         if aux_layers:
-            return self.norm(x), torch.cat(aux, dim=-1)
+            return self.norm(x), torch.cat([saved[i] for i in aux_layers], dim=-1)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,12 +14,17 @@ __all__ = ["Proposal", "ProposeBatch", "Proposer", "build_proposer"]
 
 
 def build_proposer(config: SpeculativeConfig, engine: LLMEngine) -> Proposer:
+    from specserve.proposers.draft_model import DraftModelProposer
+    from specserve.proposers.eagle import HeadProposer
+    from specserve.proposers.medusa import MedusaProposer
+    from specserve.proposers.mlp_speculator import MLPSpeculatorProposer
     from specserve.proposers.ngram import NgramProposer
     from specserve.proposers.suffix import SuffixProposer
-    from specserve.proposers.draft_model import DraftModelProposer
 
     builders = {"ngram": NgramProposer, "suffix": SuffixProposer,
-                "draft_model": DraftModelProposer}
+                "draft_model": DraftModelProposer, "eagle": HeadProposer,
+                "eagle3": HeadProposer, "mtp": HeadProposer, "medusa": MedusaProposer,
+                "mlp_speculator": MLPSpeculatorProposer}
     if config.method not in builders:
         raise ValueError(f"speculative method {config.method!r} is not available in this "
                          f"build yet; available: {', '.join(builders)}")
