@@ -81,9 +81,14 @@ def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "stric
     return out
 
 
+def _uniforms(r: VerifyRequest) -> torch.Tensor:
+    """One float64 uniform per draft from the request's generator (float32 can give exact 0)."""
+    g = r.generator
+    return torch.rand(len(r.draft_token_ids), dtype=torch.float64, generator=g, device=g.device)
+
+
 def _synthetic_accepts(r: VerifyRequest, rate: float) -> list[bool]:
-    u = torch.rand(len(r.draft_token_ids), dtype=torch.float64, generator=r.generator)
-    return (u < rate).tolist()
+    return (_uniforms(r) < rate).tolist()
 
 
 def _verify_greedy(argmax: list[int], r: VerifyRequest, method: str, rate: float | None
@@ -106,10 +111,12 @@ def _verify_random(p: torch.Tensor, r: VerifyRequest, method: str, rate: float |
         if method == "synthetic":
             accepts = _synthetic_accepts(r, rate)
         else:
-            d = torch.tensor(r.draft_token_ids)
-            p_d = p[torch.arange(k), d].double()                           # [k]
-            q_d = q[torch.arange(k), d].double() if q is not None else torch.ones(k, dtype=torch.float64)
-            u = torch.rand(k, dtype=torch.float64, generator=r.generator)
+            rows = torch.arange(k, device=p.device)
+            d = torch.tensor(r.draft_token_ids, device=p.device)
+            p_d = p[rows, d].double()                                      # [k]
+            q_d = (q[rows, d].double() if q is not None
+                   else torch.ones(k, dtype=torch.float64, device=p.device))
+            u = _uniforms(r).to(p.device)
             # q_d == 0 cannot happen for a sampled draft; guard it as a rejection.
             accepts = ((q_d > 0) & (u * q_d < p_d)).tolist()
         for j in range(k):

@@ -1,0 +1,41 @@
+"""The CUDA path: same greedy tokens as the CPU, speculation lossless, seeded sampling stable.
+Marked `gpu`; skipped where no CUDA device exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams, TokensPrompt
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PROMPTS = [TokensPrompt(prompt_token_ids=[(7 * i + j) % 90 for j in range(5 + 3 * i)])
+           for i in range(6)]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _tokens(llm, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_cuda_greedy_matches_cpu(llama_dir):
+    assert _tokens(LLM(str(llama_dir), device="cuda")) == _tokens(LLM(str(llama_dir), device="cpu"))
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    {"method": "suffix", "num_speculative_tokens": 3},
+])
+def test_cuda_speculation_is_lossless(llama_dir, spec):
+    ref = _tokens(LLM(str(llama_dir), device="cuda"))
+    assert _tokens(LLM(str(llama_dir), device="cuda", speculative_config=spec)) == ref
+
+
+def test_cuda_draft_model_and_seeded_sampling(llama_dir, draft_dir):
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    llm = LLM(str(llama_dir), device="cuda", speculative_config=spec)
+    assert _tokens(llm) == _tokens(LLM(str(llama_dir), device="cuda"))
+    sp = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True)
+    assert _tokens(llm, sp) == _tokens(llm, sp)
