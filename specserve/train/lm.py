@@ -21,7 +21,7 @@ from specserve.models.llama import LlamaArgs, LlamaForCausalLM
 from specserve.models.loader import load_model, save_model
 from specserve.train.bpe import EOS, save_tokenizer, train_bpe
 from specserve.train.corpus import Corpus, encode_files
-from specserve.train.trainer import TrainConfig, evaluate_bpb, train
+from specserve.train.trainer import TrainConfig, evaluate_bpb, lm_loss, train
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -97,6 +97,11 @@ def export(model: LlamaForCausalLM, work: Path, tok_dir: Path, out: Path, eos_id
         {"val_bits_per_byte": val_bpb, "parameters": model.num_parameters()}, indent=2) + "\n")
 
 
+def _bpb_eval(model, val_ids: np.ndarray, val_bytes: int, cfg: TrainConfig, device):
+    return lambda: {"val_bpb": evaluate_bpb(model, val_ids, val_bytes, cfg.seq_len, device,
+                                            cfg.bf16)}
+
+
 def _setup(cfg: TrainConfig) -> torch.device:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -117,7 +122,8 @@ def train_lm(cfg: TrainConfig, shape: ModelShape, out: Path, vocab_size: int = 8
     init_weights(model, cfg.seed)
     print(f"model: {model.num_parameters() / 1e6:.2f}M parameters; train tokens "
           f"{len(train_ids) / 1e6:.2f}M, val tokens {len(val_ids) / 1e6:.3f}M", flush=True)
-    log = train(model, train_ids, val_ids, val_bytes, cfg, device)
+    log = train(model, train_ids, cfg, device, lm_loss(model), _bpb_eval(model, val_ids, val_bytes,
+                                                                            cfg, device))
     if not log or log[-1]["step"] < cfg.steps:
         return float("nan")           # stopped on the time limit; resume to finish
     bpb = log[-1]["val_bpb"]
@@ -139,7 +145,8 @@ def train_draft(cfg: TrainConfig, shape: ModelShape, target_dir: Path, out: Path
     init_weights(model, cfg.seed)
     print(f"draft: {model.num_parameters() / 1e6:.2f}M parameters; target "
           f"{teacher.num_parameters() / 1e6:.2f}M", flush=True)
-    log = train(model, train_ids, val_ids, val_bytes, cfg, device, teacher=teacher)
+    log = train(model, train_ids, cfg, device, lm_loss(model, teacher, cfg.kd_alpha),
+                _bpb_eval(model, val_ids, val_bytes, cfg, device))
     if not log or log[-1]["step"] < cfg.steps:
         return float("nan")
     bpb = log[-1]["val_bpb"]

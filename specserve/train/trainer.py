@@ -12,6 +12,7 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +69,6 @@ def batch_at(tokens: np.ndarray, step: int, cfg: TrainConfig) -> torch.Tensor:
 def evaluate_bpb(model, tokens: np.ndarray, n_bytes: int, seq_len: int, device: torch.device,
                  bf16: bool, batch: int = 8) -> float:
     """Bits per byte over non-overlapping windows of the whole validation token stream."""
-    model.eval()
     n = (len(tokens) - 1) // seq_len
     total_nats = 0.0
     counted = 0
@@ -80,7 +80,6 @@ def evaluate_bpb(model, tokens: np.ndarray, n_bytes: int, seq_len: int, device: 
         total_nats += F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(),
                                       reduction="sum").item()
         counted += x[:, 1:].numel()
-    model.train()
     # Scale to the whole stream: the tail shorter than one window is left out.
     frac = counted / max(1, len(tokens) - 1)
     return total_nats / (n_bytes * frac) / math.log(2)
@@ -91,8 +90,12 @@ def _positions(x: torch.Tensor) -> torch.Tensor:
 
 
 def _save_ckpt(path: Path, model, opt: torch.optim.Optimizer, step: int, log: list) -> None:
+    # Trainable parameters (tied ones once) and buffers; frozen modules a head shares with its
+    # target are not part of the run.
+    keep = {n for n, p in model.named_parameters() if p.requires_grad}
+    keep |= {n for n, _ in model.named_buffers()}
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()
-               if not (k == "lm_head.weight" and model.args.tie_word_embeddings)}
+               if k in keep}
     names = {id(p): n for n, p in model.named_parameters()}
     for group in opt.param_groups:
         for p in group["params"]:
@@ -145,18 +148,42 @@ def plot_losses(log: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def train(model, train_tokens: np.ndarray, val_tokens: np.ndarray, val_bytes: int,
-          cfg: TrainConfig, device: torch.device, teacher=None) -> list[dict]:
-    """Train `model` in place; with `teacher`, distil its distribution into the model.
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
-    Checkpoints go to `<work_dir>/checkpoint.safetensors` and a run resumes from there. Returns the
-    log (one dict per logged step). Stops early, resumable, after `cfg.max_minutes`.
+
+def lm_loss(model, teacher=None, kd_alpha: float = 1.0) -> LossFn:
+    """Next-token cross-entropy; with a teacher, kd_alpha * KL(teacher || model) + rest * CE.
+    The returned function maps a batch [B, S + 1] to (loss, values to log)."""
+    def fn(xy: torch.Tensor):
+        x, y = xy[:, :-1], xy[:, 1:]
+        logits = model.compute_logits(model(x, _positions(x))).float()      # [B, S, V]
+        ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        if teacher is None:
+            return ce, {"loss": ce.item()}
+        with torch.no_grad():
+            t_logits = teacher.compute_logits(teacher(x, _positions(x))).float()
+        kl = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1),
+                      F.log_softmax(t_logits, -1).flatten(0, 1),
+                      log_target=True, reduction="batchmean")
+        return kd_alpha * kl + (1 - kd_alpha) * ce, {"loss": ce.item(), "kl": kl.item()}
+    return fn
+
+
+def train(model, train_tokens: np.ndarray, cfg: TrainConfig, device: torch.device,
+          loss_fn: LossFn, evaluate: Callable[[], dict[str, float]] | None = None) -> list[dict]:
+    """Train the trainable parameters of `model` in place on batches of `train_tokens`.
+
+    `loss_fn` turns a batch [B, S + 1] into (loss, values to log); `evaluate` runs every
+    `eval_every` steps and at the end. Checkpoints go to `<work_dir>/checkpoint.safetensors` and
+    a run resumes from there. Returns the log (one dict per step). Stops early, resumable,
+    after `cfg.max_minutes`.
     """
     out = Path(cfg.work_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.to(device).train()
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
@@ -173,31 +200,21 @@ def train(model, train_tokens: np.ndarray, val_tokens: np.ndarray, val_bytes: in
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         xy = batch_at(train_tokens, step, cfg).to(device)
-        x, y = xy[:, :-1], xy[:, 1:]
         with torch.autocast(**amp):
-            logits = model.compute_logits(model(x, _positions(x))).float()   # [B, S, V]
-            ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-            loss = ce
-            if teacher is not None:
-                with torch.no_grad():
-                    t_logits = teacher.compute_logits(teacher(x, _positions(x))).float()
-                kl = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1),
-                              F.log_softmax(t_logits, -1).flatten(0, 1),
-                              log_target=True, reduction="batchmean")
-                loss = cfg.kd_alpha * kl + (1 - cfg.kd_alpha) * ce
+            loss, values = loss_fn(xy)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
-        rec = {"step": step + 1, "loss": round(ce.item(), 4), "lr": round(lr_at(step, cfg), 6),
-               "gnorm": round(gnorm.item(), 3), "time": round(time.time() - t0, 1)}
-        if teacher is not None:
-            rec["kl"] = round(kl.item(), 4)
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            rec["val_bpb"] = round(evaluate_bpb(model, val_tokens, val_bytes, cfg.seq_len,
-                                                device, cfg.bf16), 4)
+        rec = {"step": step + 1} | {k: round(v, 4) for k, v in values.items()} | {
+            "lr": round(lr_at(step, cfg), 6), "gnorm": round(gnorm.item(), 3),
+            "time": round(time.time() - t0, 1)}
+        if evaluate is not None and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            model.eval()
+            rec |= {k: round(v, 4) for k, v in evaluate().items()}
+            model.train()
         log.append(rec)
-        bar.set_postfix(loss=rec["loss"], **({"val_bpb": rec["val_bpb"]} if "val_bpb" in rec else {}))
+        bar.set_postfix({k: v for k, v in rec.items() if k not in ("step", "lr", "time")})
         with open(out / "train_log.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         timed_out = cfg.max_minutes is not None and time.time() - t0 > cfg.max_minutes * 60
