@@ -13,6 +13,8 @@ import time
 
 from specserve.config import ModelConfig, SchedulerConfig, load_json_or_yaml_arg
 
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+
 
 def _arg_type(f: dataclasses.Field):
     t = str(f.type)
@@ -107,6 +109,12 @@ def cmd_train(args: argparse.Namespace) -> None:
         args.work_dir = str(Path("runs") / Path(args.out).name)
     cfg = TrainConfig(**dataclass_kwargs(args, TrainConfig))
     shape = ModelShape(**dataclass_kwargs(args, ModelShape))
+    if args.kind in HEAD_METHODS:
+        from specserve.train.heads import train_head
+        result = train_head(args.kind, cfg, Path(args.target), Path(args.out),
+                            k=args.num_speculative_tokens, num_generated=args.num_generated)
+        print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
+        return
     if args.kind == "lm":
         bpb = train_lm(cfg, shape, Path(args.out), vocab_size=args.vocab_size)
     else:
@@ -163,12 +171,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest accepted request body")
     s.set_defaults(func=cmd_serve)
 
-    t = sub.add_parser("train", help="train a model: lm (pretraining) or draft (distillation)")
-    t.add_argument("kind", choices=["lm", "draft"])
+    t = sub.add_parser("train", help="train a model: lm (pretraining), draft (distillation) or "
+                       "a draft head for a target")
+    t.add_argument("kind", choices=["lm", "draft", *HEAD_METHODS])
     t.add_argument("--out", required=True, help="the trained model's HF directory")
     t.add_argument("--work-dir", default=None, help="checkpoints and logs; a run resumes from "
                    "here (default: runs/<name of --out>)")
-    t.add_argument("--target", help="draft: the target model directory")
+    t.add_argument("--target", help="draft and heads: the target model directory")
+    t.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="heads: tokens the head drafts (Medusa heads, MLP stages; tau is "
+                        "measured at this K)")
+    t.add_argument("--num-generated", type=int, default=64,
+                   help="heads: target-generated continuations added to the training text")
     t.add_argument("--vocab-size", type=int, default=8192, help="lm: BPE vocabulary size")
     add_dataclass_args(t, TrainConfig, skip=("work_dir",))
     add_dataclass_args(t, ModelShape)
@@ -190,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    if args.command == "train" and args.kind == "draft" and not args.target:
-        raise SystemExit("specserve train draft: --target DIR is required")
+    if args.command == "train" and args.kind != "lm" and not args.target:
+        raise SystemExit(f"specserve train {args.kind}: --target DIR is required")
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -1,0 +1,287 @@
+"""`specserve train {eagle,eagle3,medusa,mlp_speculator,mtp}`: train a draft head for a target.
+
+Training data come from the target itself: its hidden states and next-token distributions over
+corpus text and over continuations it generates (so the head learns the target's own
+trajectories). Every head is trained against the target's distribution (KL), not the corpus
+tokens, because acceptance is agreement with the target:
+- medusa: head i on h_t vs the target's distribution for token t+i+2;
+- mlp_speculator: stage i (teacher-forced with the true tokens) vs the target at t+i+1;
+- eagle: layer(fc([embed(x_t+1); h_t])) vs the target at t+1, plus feature regression to h_t+1
+  (smooth L1, as in EAGLE);
+- eagle3: the same over fc-fused aux states, plus a second unrolled pass that feeds the head's
+  own outputs back (a short form of EAGLE-3's training-time test);
+- mtp: the MTP layer over (h_t, x_t+1) vs the target at t+1.
+The result is written in the public format the loader reads, then tau is measured on held-out
+prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from specserve.models.heads import Eagle3Head, EagleHead, MedusaHeads, MLPSpeculator, MTPLayer
+from specserve.models.llama import LlamaArgs
+from specserve.models.loader import load_model
+from specserve.train.bpe import EOS
+from specserve.train.corpus import Corpus
+from specserve.train.lm import prepare_data
+from specserve.train.trainer import TrainConfig, _positions, train
+
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+
+
+def _layer_args(target: LlamaArgs) -> LlamaArgs:
+    """A head's decoder layer has the target's width and attention shape."""
+    a = LlamaArgs(**{k: getattr(target, k) for k in target.__dataclass_fields__})
+    a.num_hidden_layers = 1
+    return a
+
+
+def build_head(method: str, target, k: int) -> nn.Module:
+    a = target.args
+    if method == "medusa":
+        return MedusaHeads(a.hidden_size, a.vocab_size, k, num_layers=1)
+    if method == "mlp_speculator":
+        return MLPSpeculator(a.hidden_size, a.hidden_size, a.vocab_size, k)
+    if method == "eagle":
+        return EagleHead(_layer_args(a), fc_bias=True, embed=target.embed_tokens,
+                         lm_head=target.lm_head)
+    if method == "eagle3":
+        head = Eagle3Head(_layer_args(a), 3, a.hidden_size, a.vocab_size, a.vocab_size,
+                          target.embed_tokens)
+        L = a.num_hidden_layers
+        head.aux_layers = (min(2, L - 1), L // 2, max(0, L - 3))
+        return head
+    if method == "mtp":
+        return MTPLayer(_layer_args(a), target.embed_tokens, target.lm_head)
+    raise ValueError(f"unknown head method {method!r}; choose from {', '.join(HEAD_METHODS)}")
+
+
+def _kl(logits: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
+    """KL(target || head) averaged over positions; both [..., V]."""
+    return F.kl_div(F.log_softmax(logits.float(), -1).flatten(0, -2),
+                    target_logp.flatten(0, -2), log_target=True, reduction="batchmean")
+
+
+def head_loss(method: str, head: nn.Module, target):
+    """Loss function over a token batch [B, S + 1] (see the module docstring)."""
+    aux_layers = tuple(getattr(head, "aux_layers", ()))
+
+    def fn(xy: torch.Tensor):
+        x = xy[:, :-1]                                                     # [B, S]
+        pos = _positions(x)
+        with torch.no_grad():
+            if aux_layers:
+                h, aux = target(x, pos, aux_layers=aux_layers)
+            else:
+                h, aux = target(x, pos), None
+            logp = F.log_softmax(target.compute_logits(h).float(), -1)     # [B, S, V]
+        S = x.shape[1]
+        if method == "medusa":
+            losses = [_kl(lm(block(h[:, :S - i - 1])), logp[:, i + 1:])
+                      for i, (block, lm) in enumerate(zip(head.blocks, head.lm_heads))]
+            loss = sum(losses) / len(losses)
+            return loss, {"loss": loss.item(), "kl_head0": losses[0].item()}
+        if method == "mlp_speculator":
+            state, losses = h[:, :S - head.n_predict], []
+            for i in range(head.n_predict):
+                n = S - head.n_predict
+                state, logits = head.stage(i, state, x[:, i + 1:i + 1 + n])
+                losses.append(_kl(logits, logp[:, i + 1:i + 1 + n]))
+            loss = sum(losses) / len(losses)
+            return loss, {"loss": loss.item(), "kl_stage0": losses[0].item()}
+        # eagle / eagle3 / mtp: pairs (state at t, token t+1) for t = 0..S-2
+        tok, hin = x[:, 1:], (aux if method == "eagle3" else h)[:, :-1]
+        out = head(tok, head.fuse_target(hin), pos[:, :-1], None, None)    # [B, S-1, H]
+        kl = _kl(head.logits(out), logp[:, 1:])
+        values = {"kl": kl.item()}
+        loss = kl
+        if method == "eagle":
+            reg = F.smooth_l1_loss(out.float(), h[:, 1:].float())
+            loss = loss * 0.1 + reg
+            values["feature_l1"] = reg.item()
+        if method == "eagle3":
+            # Second pass: the head's own output at t-1 replaces the target state at t.
+            out2 = head(tok[:, 1:], out[:, :-1], pos[:, 1:-1], None, None)
+            kl2 = _kl(head.logits(out2), logp[:, 2:])
+            loss = (kl + kl2) / 2
+            values["kl_step2"] = kl2.item()
+        values["loss"] = loss.item()
+        return loss, values
+    return fn
+
+
+def fit_prompts(llm, prompts: list[str], max_tokens: int) -> list:
+    """Token prompts that leave room for `max_tokens` in the model's context (cut from the left)."""
+    from specserve import TokensPrompt
+    room = max(1, llm.engine.max_model_len - max_tokens - 1)
+    return [TokensPrompt(prompt_token_ids=llm.get_tokenizer().encode(p)[-room:]) for p in prompts]
+
+
+def generated_tokens(target_dir: Path, corpus: Corpus, num: int, length: int, seed: int
+                     ) -> np.ndarray:
+    """Continuations the target samples (temperature 0.7) from held-in corpus openings."""
+    if num <= 0:
+        return np.zeros(0, dtype=np.int64)
+    from specserve import LLM, SamplingParams
+    from specserve.train.corpus import read_text
+    llm = LLM(str(target_dir), device="cpu", seed=seed)
+    tok = llm.get_tokenizer()
+    rng = np.random.default_rng(seed)
+    files = [corpus.train_files[i] for i in rng.choice(len(corpus.train_files), num)]
+    prompts = fit_prompts(llm, [read_text(f)[:400] for f in files], length)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.7, seed=seed, max_tokens=length,
+                                                 ignore_eos=True), use_tqdm=True)
+    eos = tok.token_to_id(EOS)
+    ids: list[int] = []
+    for o in outs:
+        ids += o.prompt_token_ids + o.outputs[0].token_ids + [eos]
+    return np.asarray(ids, dtype=np.int64)
+
+
+# ---- writing the public formats -------------------------------------------------------------
+def _fp(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+            for k, v in tensors.items()}
+
+
+def _layer_tensors(layer: nn.Module, a: LlamaArgs, prefix: str) -> dict[str, torch.Tensor]:
+    """A decoder layer's tensors under HF names (q/k/v and gate/up split)."""
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    out = {}
+    for name, t in layer.state_dict().items():
+        if ".qkv_proj." in name:
+            for p, part in zip("qkv", t.split([q, kv, kv], dim=0)):
+                out[prefix + name.replace("qkv_proj", f"{p}_proj")] = part
+        elif ".gate_up_proj." in name:
+            for p, part in zip(("gate", "up"), t.chunk(2, dim=0)):
+                out[prefix + name.replace("gate_up_proj", f"{p}_proj")] = part
+        else:
+            out[prefix + name] = t
+    return out
+
+
+def save_head(method: str, head: nn.Module, out: Path, target_dir: Path,
+              dtype: torch.dtype = torch.bfloat16) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    a = getattr(head, "args", None)
+    if method == "medusa":
+        cfg = {"architectures": ["MedusaModel"], "num_heads": head.num_heads,
+               "num_hidden_layers": len(head.blocks[0].layers),
+               "hidden_size": head.lm_heads[0].in_features,
+               "vocab_size": head.lm_heads[0].out_features}
+        tensors = dict(head.state_dict())
+    elif method == "mlp_speculator":
+        cfg = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator",
+               "emb_dim": head.proj[0].in_features, "inner_dim": head.proj[0].out_features,
+               "n_predict": head.n_predict, "vocab_size": head.head[0].out_features,
+               "tie_weights": False, "scale_input": False}
+        tensors = dict(head.state_dict())
+    elif method == "eagle":
+        cfg = a.to_hf_config() | {"num_hidden_layers": 1}
+        tensors = {"fc.weight": head.fc.weight, "fc.bias": head.fc.bias}
+        tensors |= _layer_tensors(head.layers[0], a, "layers.0.")
+    elif method == "eagle3":
+        cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+               "draft_vocab_size": head.lm_head.out_features,
+               "target_hidden_size": head.fc.in_features // 3,
+               "eagle_aux_hidden_state_layer_ids": list(head.aux_layers),
+               "transformer_layer_config": a.to_hf_config() | {"num_hidden_layers": 1}}
+        tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight,
+                   "lm_head.weight": head.lm_head.weight, "d2t": head.d2t}
+        tensors |= _layer_tensors(head.layers[0], a, "layers.0.")
+    elif method == "mtp":
+        # The target directory plus its MTP layer as one more shard.
+        for f in target_dir.iterdir():
+            if f.is_file() and f.suffix in (".json", ".safetensors", ".png", ".jsonl"):
+                shutil.copy(f, out / f.name)
+        cfg = json.loads((target_dir / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+        p = f"model.layers.{cfg['num_hidden_layers']}."     # MTP layers follow the decoder
+        tensors = {p + "enorm.weight": head.enorm.weight, p + "hnorm.weight": head.hnorm.weight,
+                   p + "eh_proj.weight": head.eh_proj.weight,
+                   p + "shared_head.norm.weight": head.shared_head_norm.weight}
+        tensors |= _layer_tensors(head.block, a, p)
+        _add_shard(out, _fp(tensors, dtype))
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        return
+    else:
+        raise ValueError(method)
+    save_file(_fp(tensors, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _add_shard(model_dir: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Add tensors to a model directory as an extra safetensors shard (index updated)."""
+    index_path = model_dir / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:
+        single = model_dir / "model.safetensors"
+        from safetensors import safe_open
+        with safe_open(str(single), "pt") as f:
+            index = {"metadata": {}, "weight_map": {k: single.name for k in f.keys()}}
+    name = "model-mtp.safetensors"
+    save_file(tensors, str(model_dir / name), metadata={"format": "pt"})
+    index["weight_map"].update({k: name for k in tensors})
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+
+
+def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prompts: int = 8,
+                 max_tokens: int = 96) -> dict:
+    """Mean acceptance length at K, greedy, on held-out code prompts."""
+    from specserve import LLM, SamplingParams
+    from specserve.bench.prompts import completion_prompts
+    spec = {"method": method, "num_speculative_tokens": k}
+    if method != "mtp":
+        spec["model"] = str(head_dir)
+    llm = LLM(str(head_dir if method == "mtp" else target_dir), device="cpu",
+              speculative_config=spec)
+    max_tokens = min(max_tokens, llm.engine.max_model_len // 2)
+    llm.generate(fit_prompts(llm, completion_prompts(num_prompts), max_tokens), SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    m = llm.get_metrics()
+    d = max(1, m["spec_decode_num_drafts"])
+    return {"tau": m["mean_acceptance_length"], "acceptance_rate": m["acceptance_rate"],
+            "per_position": [a / d for a in m["spec_decode_num_accepted_tokens_per_pos"]]}
+
+
+def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: int = 4,
+               num_generated: int = 64, generated_len: int = 256,
+               corpus: Corpus | None = None) -> dict:
+    """Train a head for `target_dir`, write it to `out`, return its tau evaluation."""
+    device = torch.device("cpu") if cfg.device == "auto" and not torch.cuda.is_available() \
+        else torch.device("cuda" if cfg.device == "auto" else cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    corpus = corpus or Corpus.stdlib()
+    work = Path(cfg.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    target = load_model(target_dir, torch.float32, device)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    train_ids, _, _ = prepare_data(target_dir, work, corpus, 0)
+    gen_cache = work / "generated.npy"
+    if not gen_cache.is_file():
+        np.save(gen_cache, generated_tokens(target_dir, corpus, num_generated, generated_len,
+                                            cfg.seed))
+    ids = np.concatenate([train_ids.astype(np.int64), np.load(gen_cache)])
+    head = build_head(method, target, k).to(device)
+    print(f"{method} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "
+          f"trainable parameters; {len(ids) / 1e6:.2f}M training tokens", flush=True)
+    log = train(head, ids, cfg, device, head_loss(method, head, target))
+    if not log or log[-1]["step"] < cfg.steps:
+        return {}
+    save_head(method, head, out, target_dir)
+    result = evaluate_tau(target_dir, out, method, k)
+    (out / "quality.json").write_text(json.dumps({"method": method, "k": k, **result,
+                                                  "train_steps": cfg.steps}, indent=2) + "\n")
+    return result
