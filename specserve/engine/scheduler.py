@@ -39,14 +39,17 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledRequest]:
+        # Every running request first gets the tokens it lacks KV for (1 when decoding, a chunk
+        # when prefilling), then waiting requests are admitted, and only the budget left over
+        # goes to drafts - so drafts never crowd a request out of a step.
         budget = self.config.max_num_batched_tokens
-        out: list[ScheduledRequest] = []
+        plans: list[tuple[Request, int]] = []
         for req in self.running:
             if budget <= 0:
                 break
-            item = self._plan(req, budget)
-            out.append(item)
-            budget -= item.num_new_tokens
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            plans.append((req, n))
+            budget -= n
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and self.caches[0].num_free_slots > 0):
             req = self.waiting.popleft()
@@ -55,24 +58,22 @@ class Scheduler:
                 assert c.allocate() == req.slot, "draft and target caches allocate in lockstep"
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            item = self._plan(req, budget)
-            out.append(item)
-            budget -= item.num_new_tokens
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            plans.append((req, n))
+            budget -= n
+        out = []
+        for req, n in plans:
+            k = 0
+            if n == req.num_tokens - req.num_computed_tokens:     # everything known is fed
+                k = min(len(req.spec_token_ids), budget)
+                budget -= k
+            if k < len(req.spec_token_ids):
+                req.spec_token_ids = req.spec_token_ids[:k]
+                if req.spec_token_probs is not None:
+                    req.spec_token_probs = req.spec_token_probs[:k]
+            complete = n == req.num_tokens - req.num_computed_tokens
+            out.append(ScheduledRequest(req, n + k, k, 1 + k if complete else 0))
         return out
-
-    @staticmethod
-    def _plan(req: Request, budget: int) -> ScheduledRequest:
-        missing = req.num_tokens - req.num_computed_tokens   # >= 1
-        if missing > budget:                                 # prompt chunk; drafts wait
-            req.spec_token_ids = []
-            req.spec_token_probs = None
-            return ScheduledRequest(req, budget, 0, 0)
-        k = min(len(req.spec_token_ids), budget - missing)
-        if k < len(req.spec_token_ids):
-            req.spec_token_ids = req.spec_token_ids[:k]
-            if req.spec_token_probs is not None:
-                req.spec_token_probs = req.spec_token_probs[:k]
-        return ScheduledRequest(req, missing + k, k, 1 + k)
 
     def finish(self, req: Request) -> None:
         """Remove a finished or aborted request and free its KV slot."""
