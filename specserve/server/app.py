@@ -136,6 +136,10 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         limit = engine.max_model_len
         if not ids:
             raise APIError(400, "the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary "
+                           f"[0, {engine.vocab_size})")
         if len(ids) >= limit:
             raise APIError(400, f"the prompt has {len(ids)} tokens, but this model's maximum "
                            f"context length is {limit} tokens; shorten the prompt")

@@ -191,6 +191,7 @@ def test_models_health_metrics(client, server):
     ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
     ({"prompt": []}, 400, "prompt must not be an empty list"),
     ({"prompt": [1, 99999]}, 400, "outside the vocabulary"),
+    ({"prompt": [1, 99999], "stream": True}, 400, "outside the vocabulary"),
     ({"prompt": "x" * 70000}, 413, "larger than 65536 bytes"),
 ])
 def test_bad_input_is_a_4xx_with_an_openai_error(server, body, status, message):
