@@ -112,24 +112,35 @@ class MLPSpeculator(nn.Module):
 
 
 # ---- EAGLE / EAGLE-3 / MTP ------------------------------------------------------------------
-class EagleHead(nn.Module):
+class StatefulHead(nn.Module):
+    """What the KV-cached heads share: the layer shape, rotary tables, the embedding (and
+    lm_head) they borrow from the target unless their checkpoint has their own."""
+
+    def __init__(self, args: LlamaArgs, embed: nn.Embedding, lm_head: nn.Linear | None) -> None:
+        super().__init__()
+        self.args = args
+        self.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta,
+                             args.rope_scaling)
+        self.embed_tokens = embed
+        if lm_head is not None:
+            self.lm_head = lm_head
+
+    def fuse_target(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states [T, H] as this head's input state."""
+        return hidden
+
+
+class EagleHead(StatefulHead):
     """EAGLE-1: out = layer(fc([embed(token); h])); logits = target lm_head(out)."""
 
     def __init__(self, args: LlamaArgs, fc_bias: bool, embed: nn.Embedding,
                  lm_head: nn.Linear) -> None:
-        super().__init__()
+        super().__init__(args, embed, lm_head)
         H = args.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=fc_bias)
         layer = DecoderLayer(args)
         layer.input_layernorm = nn.Identity()       # EAGLE-1 drops the first layer's input norm
         self.layers = nn.ModuleList([layer])
-        self.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta,
-                             args.rope_scaling)
-        self.embed_tokens, self.lm_head = embed, lm_head
-        self.args = args
-
-    def fuse_target(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
 
     def forward(self, token_ids, h, positions, md: AttentionMetadata | None, cache):
         x = self.fc(torch.cat([self.embed_tokens(token_ids), h], dim=-1))
@@ -159,25 +170,20 @@ class Eagle3DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(StatefulHead):
     """EAGLE-3: fc fuses the target's aux hidden states (3H -> H) for the first draft step; the
     head's own pre-norm output feeds later steps; its lm_head covers a draft vocabulary mapped to
     target ids by `d2t` (target id = draft id + d2t[draft id])."""
 
     def __init__(self, args: LlamaArgs, num_aux: int, target_hidden: int, draft_vocab: int,
                  target_vocab: int, embed: nn.Embedding) -> None:
-        super().__init__()
         H = args.hidden_size
+        super().__init__(args, embed, nn.Linear(H, draft_vocab, bias=False))
         self.fc = nn.Linear(num_aux * target_hidden, H, bias=False)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(args)])
         self.norm = RMSNorm(H, args.rms_norm_eps)
-        self.lm_head = nn.Linear(H, draft_vocab, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
-        self.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta,
-                             args.rope_scaling)
-        self.embed_tokens = embed
         self.target_vocab = target_vocab
-        self.args = args
 
     def fuse_target(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_hidden)
@@ -195,25 +201,18 @@ class Eagle3Head(nn.Module):
         return full.index_copy(1, ids, draft)
 
 
-class MTPLayer(nn.Module):
+class MTPLayer(StatefulHead):
     """DeepSeek-style multi-token prediction layer stored in the target checkpoint:
     out = block(eh_proj([enorm(embed(token)); hnorm(h)])); logits = lm_head(shared_head.norm(out))."""
 
     def __init__(self, args: LlamaArgs, embed: nn.Embedding, lm_head: nn.Linear) -> None:
-        super().__init__()
+        super().__init__(args, embed, lm_head)
         H = args.hidden_size
         self.enorm = RMSNorm(H, args.rms_norm_eps)
         self.hnorm = RMSNorm(H, args.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.block = DecoderLayer(args)
         self.shared_head_norm = RMSNorm(H, args.rms_norm_eps)
-        self.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta,
-                             args.rope_scaling)
-        self.embed_tokens, self.lm_head = embed, lm_head
-        self.args = args
-
-    def fuse_target(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden
 
     def forward(self, token_ids, h, positions, md, cache):
         x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(token_ids)), self.hnorm(h)], -1))
