@@ -129,7 +129,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 def cmd_zoo(args: argparse.Namespace) -> None:
     if args.action == "eval":
         from specserve.train.evaluate import zoo_report
-        zoo_report(args.out)
+        zoo_report(args.out, args.results)
         return
     from specserve.train.zoo import build_zoo
     build_zoo(args.out, max_minutes=args.max_minutes, device=args.device)
@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--max-minutes", type=float, default=None,
                    help="stop each stage after this long (resumable)")
     z.add_argument("--device", default="auto")
+    z.add_argument("--results", default=None, help="eval: append a section to this file")
     z.set_defaults(func=cmd_zoo)
 
     b = sub.add_parser("bench", help="benchmarks (see `specserve bench latency --help`)")

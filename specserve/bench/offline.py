@@ -202,7 +202,7 @@ def main(argv: list[str]) -> None:
     cmd = "specserve bench " + " ".join(argv)
     out = Path(a.results)
     out.parent.mkdir(parents=True, exist_ok=True)
-    png = out.parent / f"latency-{datetime.date.today().isoformat()}.png"
+    png = out.parent / f"latency-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.png"
     _plot(all_results, png)
     lines = [f"\n## {a.title}\n",
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "

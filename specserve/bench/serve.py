@@ -175,7 +175,7 @@ def main(argv: list[str]) -> None:
             proc.wait(timeout=30)
     base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["config"] == "no-spec"}
     out = Path(a.results)
-    png = out.parent / f"serve-{datetime.date.today().isoformat()}.png"
+    png = out.parent / f"serve-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.png"
     _plot(rows, png)
     lines = ["\n## Serving load: `specserve serve` over HTTP\n",
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
