@@ -20,7 +20,6 @@ class RunnerOutput:
     logits: torch.Tensor            # [num_sample_rows, vocab] float32, request-major
     hidden: torch.Tensor            # [num_tokens, hidden] final hidden states of all fed tokens
     aux_hidden: torch.Tensor | None  # [num_tokens, len(aux_layers) * hidden] or None
-    token_ids: torch.Tensor         # [num_tokens] the fed tokens
     cu_num_tokens: list[int]        # [batch + 1] offsets of each request's tokens in the flat batch
     starts: list[int]               # [batch] position of each request's first fed token
 
@@ -94,4 +93,4 @@ class ModelRunner:
         else:
             rows = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
         logits = self.model.compute_logits(rows).float()                     # [N, V]
-        return RunnerOutput(logits, hidden, aux, token_ids, cu, starts)
+        return RunnerOutput(logits, hidden, aux, cu, starts)
