@@ -162,3 +162,32 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class TransposedLinear(nn.Module):
+    """Inference-only linear that stores its weight as [in, out].
+
+    On CPU a one-row matmul streams this layout from DRAM ~1.7x faster than the [out, in]
+    layout F.linear reads (26.6 vs 15.8 GB/s measured on the project's 2-core EPYC with 94 MB of
+    weights); batch-1 decode is exactly that workload.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach().clone(), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight_t                                    # [..., out]
+        return y if self.bias is None else y + self.bias
+
+
+def transpose_linears(model: nn.Module) -> nn.Module:
+    """Swap every nn.Linear of an inference model for a TransposedLinear (in place)."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, TransposedLinear(child))
+    return model

@@ -94,3 +94,30 @@ def test_half_precision_dtypes_track_float32(llama_dir):
         with t.inference_mode():
             out = m.compute_logits(m(t.tensor(ids), pos, md, cache.layers)).float()
         assert out.dtype == t.float32 and (out - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_transposed_linear_matches_linear():
+    import torch as t
+
+    from specserve.models.layers import TransposedLinear, transpose_linears
+    for bias in (False, True):
+        lin = t.nn.Linear(24, 40, bias=bias)
+        tl = TransposedLinear(lin)
+        for x in (t.randn(1, 24), t.randn(7, 24), t.randn(2, 5, 24)):
+            assert t.allclose(tl(x), lin(x), atol=1e-5)
+    seq = transpose_linears(t.nn.Sequential(t.nn.Linear(4, 4), t.nn.ReLU(), t.nn.Linear(4, 2)))
+    assert [type(m).__name__ for m in seq] == ["TransposedLinear", "ReLU", "TransposedLinear"]
+
+
+def test_engine_model_uses_transposed_weights_and_matches_transformers(hf_model):
+    from specserve import LLM, SamplingParams, TokensPrompt
+    from specserve.models.layers import TransposedLinear
+    _, path, hf = hf_model
+    llm = LLM(str(path), device="cpu")
+    assert isinstance(llm.engine.model.layers[0].mlp.down_proj, TransposedLinear)
+    ids = list(range(3, 23))
+    out = llm.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(
+        temperature=0, max_tokens=1, logprobs=0), use_tqdm=False)[0].outputs[0]
+    tok = out.token_ids[0]
+    ref = torch.log_softmax(ref_logits(hf, ids)[-1], -1)[tok].item()
+    assert abs(out.logprobs[0][tok] - ref) < 1e-4
