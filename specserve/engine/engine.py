@@ -15,7 +15,7 @@ from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.kv_cache import KVCache
 from specserve.metrics import SpecDecodingStats
-from specserve.models.layers import transpose_linears
+from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model, read_json
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.proposers.base import ProposeBatch, Proposer
@@ -64,7 +64,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(mc.model) if (Path(mc.model) / "tokenizer.json").is_file() else None
         self.model = load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len)
         if self.device.type == "cpu":
-            transpose_linears(self.model)
+            use_decode_linears(self.model)
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = _eos_ids(mc.model, hf, self.tokenizer)
         sc = config.scheduler_config

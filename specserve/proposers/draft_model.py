@@ -16,7 +16,7 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.runner import build_metadata
-from specserve.models.layers import transpose_linears
+from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model
 from specserve.proposers.base import Proposal, ProposeBatch
 from specserve.sampling.sampler import sample_from
@@ -37,7 +37,7 @@ class DraftModelProposer:
         engine.max_model_len = limit
         self.model = load_model(config.model, engine.dtype, engine.device, max_len=limit)
         if engine.device.type == "cpu":
-            transpose_linears(self.model)
+            use_decode_linears(self.model)
         if self.model.args.vocab_size != engine.vocab_size:
             raise ValueError(
                 f"draft model {config.model} has vocab_size {self.model.args.vocab_size} but the "

@@ -96,25 +96,26 @@ def test_half_precision_dtypes_track_float32(llama_dir):
         assert out.dtype == t.float32 and (out - ref).abs().max() < 0.1 * ref.abs().max()
 
 
-def test_transposed_linear_matches_linear():
+def test_decode_linear_matches_linear():
     import torch as t
 
-    from specserve.models.layers import TransposedLinear, transpose_linears
+    from specserve.models.layers import DecodeLinear, use_decode_linears
     for bias in (False, True):
         lin = t.nn.Linear(24, 40, bias=bias)
-        tl = TransposedLinear(lin)
-        for x in (t.randn(1, 24), t.randn(7, 24), t.randn(2, 5, 24)):
-            assert t.allclose(tl(x), lin(x), atol=1e-5)
-    seq = transpose_linears(t.nn.Sequential(t.nn.Linear(4, 4), t.nn.ReLU(), t.nn.Linear(4, 2)))
-    assert [type(m).__name__ for m in seq] == ["TransposedLinear", "ReLU", "TransposedLinear"]
+        dl = DecodeLinear(lin)
+        assert dl.weight is lin.weight
+        for x in (t.randn(1, 24), t.randn(7, 24), t.randn(2, 5, 24)):   # both layouts used
+            assert t.allclose(dl(x), lin(x), atol=1e-5)
+    seq = use_decode_linears(t.nn.Sequential(t.nn.Linear(4, 4), t.nn.ReLU(), t.nn.Linear(4, 2)))
+    assert [type(m).__name__ for m in seq] == ["DecodeLinear", "ReLU", "DecodeLinear"]
 
 
 def test_engine_model_uses_transposed_weights_and_matches_transformers(hf_model):
     from specserve import LLM, SamplingParams, TokensPrompt
-    from specserve.models.layers import TransposedLinear
+    from specserve.models.layers import DecodeLinear
     _, path, hf = hf_model
     llm = LLM(str(path), device="cpu")
-    assert isinstance(llm.engine.model.layers[0].mlp.down_proj, TransposedLinear)
+    assert isinstance(llm.engine.model.layers[0].mlp.down_proj, DecodeLinear)
     ids = list(range(3, 23))
     out = llm.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(
         temperature=0, max_tokens=1, logprobs=0), use_tqdm=False)[0].outputs[0]
