@@ -12,8 +12,7 @@ import sys
 import time
 
 from specserve.config import ModelConfig, SchedulerConfig, load_json_or_yaml_arg
-
-HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+from specserve.train.heads import HEAD_METHODS
 
 
 def _arg_type(f: dataclasses.Field):

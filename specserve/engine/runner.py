@@ -57,6 +57,15 @@ def build_metadata(starts: list[int], lens: list[int], slots: list[int],
     return md, positions
 
 
+def ragged_inputs(token_lists: list[list[int]], starts: list[int], slots: list[int],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Flat token ids [T], positions [T] and attention metadata for requests feeding
+    `token_lists[i]` from position `starts[i]` into KV slot `slots[i]`."""
+    md, positions = build_metadata(starts, [len(t) for t in token_lists], slots, device)
+    ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=device)
+    return ids, positions, md
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device) -> None:
         self.model = model

@@ -63,15 +63,13 @@ class Scheduler:
             budget -= n
         out = []
         for req, n in plans:
-            k = 0
-            if n == req.num_tokens - req.num_computed_tokens:     # everything known is fed
-                k = min(len(req.spec_token_ids), budget)
-                budget -= k
+            complete = n == req.num_tokens - req.num_computed_tokens   # all known tokens fed
+            k = min(len(req.spec_token_ids), budget) if complete else 0
+            budget -= k
             if k < len(req.spec_token_ids):
                 req.spec_token_ids = req.spec_token_ids[:k]
                 if req.spec_token_probs is not None:
                     req.spec_token_probs = req.spec_token_probs[:k]
-            complete = n == req.num_tokens - req.num_computed_tokens
             out.append(ScheduledRequest(req, n + k, k, 1 + k if complete else 0))
         return out
 

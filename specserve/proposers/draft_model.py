@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.runner import build_metadata
+from specserve.engine.runner import ragged_inputs
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model
 from specserve.proposers.base import Proposal, ProposeBatch
@@ -51,12 +51,10 @@ class DraftModelProposer:
 
     def _forward(self, reqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Feed each request its tokens at `starts`; returns logits of each one's last token."""
-        lens = [len(t) for t in token_lists]
-        md, positions = build_metadata(starts, lens, [r.slot for r in reqs], self.device)
-        ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long,
-                           device=self.device)
+        ids, positions, md = ragged_inputs(token_lists, starts, [r.slot for r in reqs],
+                                           self.device)
         hidden = self.model(ids, positions, md, self.cache.layers)           # [T, H]
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        last = torch.tensor([len(t) for t in token_lists], device=self.device).cumsum(0) - 1
         return self.model.compute_logits(hidden[last]).float()              # [B, V]
 
     def _pick(self, logits: torch.Tensor, reqs) -> tuple[list[int], list[torch.Tensor | None]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.runner import build_metadata
+from specserve.engine.runner import ragged_inputs
 from specserve.kv_cache import KVCache
 from specserve.models.head_loader import load_head
 from specserve.models.layers import Rotary
@@ -37,9 +37,8 @@ class HeadProposer:
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs
 
     def _run(self, reqs, token_lists, h: torch.Tensor, starts: list[int]) -> torch.Tensor:
-        lens = [len(t) for t in token_lists]
-        md, positions = build_metadata(starts, lens, [r.slot for r in reqs], self.device)
-        ids = torch.tensor([t for ts in token_lists for t in ts], device=self.device)
+        ids, positions, md = ragged_inputs(token_lists, starts, [r.slot for r in reqs],
+                                           self.device)
         return self.head(ids, h, positions, md, self.cache.layers[0])        # [T, H]
 
     @torch.inference_mode()

@@ -32,7 +32,7 @@ from specserve.models.llama import LlamaArgs
 from specserve.models.loader import load_model
 from specserve.train.bpe import EOS
 from specserve.train.corpus import Corpus
-from specserve.train.lm import prepare_data
+from specserve.train.lm import _setup, prepare_data
 from specserve.train.trainer import TrainConfig, _positions, train
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
@@ -257,11 +257,7 @@ def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: in
                num_generated: int = 64, generated_len: int = 256,
                corpus: Corpus | None = None) -> dict:
     """Train a head for `target_dir`, write it to `out`, return its tau evaluation."""
-    device = torch.device("cpu") if cfg.device == "auto" and not torch.cuda.is_available() \
-        else torch.device("cuda" if cfg.device == "auto" else cfg.device)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed)
+    device = _setup(cfg)
     corpus = corpus or Corpus.stdlib()
     work = Path(cfg.work_dir)
     work.mkdir(parents=True, exist_ok=True)
