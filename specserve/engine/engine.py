@@ -63,8 +63,7 @@ class LLMEngine:
         self.max_model_len = mc.max_model_len or model_len
         self.tokenizer = Tokenizer(mc.model) if (Path(mc.model) / "tokenizer.json").is_file() else None
         self.model = load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len)
-        if self.device.type == "cpu":
-            use_decode_linears(self.model)
+        use_decode_linears(self.model)
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = _eos_ids(mc.model, hf, self.tokenizer)
         sc = config.scheduler_config

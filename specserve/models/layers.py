@@ -189,7 +189,14 @@ class DecodeLinear(nn.Module):
 
 
 def use_decode_linears(model: nn.Module) -> nn.Module:
-    """Swap every nn.Linear of an inference model for a DecodeLinear (in place)."""
+    """Swap every nn.Linear of a float32 CPU inference model for a DecodeLinear (in place).
+
+    Other cases keep nn.Linear: on CUDA cuBLAS handles both shapes, and CPU bfloat16 (oneDNN)
+    is as fast with [out, in] for one row and faster for more (measured: 8192x384, 1 row
+    189 vs 273 us; 5 rows 208 vs 293 us)."""
+    w = next(model.parameters())
+    if w.device.type != "cpu" or w.dtype != torch.float32:
+        return model
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):

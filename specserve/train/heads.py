@@ -18,6 +18,7 @@ prompts.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -136,8 +137,14 @@ def generated_tokens(target_dir: Path, corpus: Corpus, num: int, length: int, se
     llm = LLM(str(target_dir), device="cpu", seed=seed)
     tok = llm.get_tokenizer()
     rng = np.random.default_rng(seed)
-    files = [corpus.train_files[i] for i in rng.choice(len(corpus.train_files), num)]
-    prompts = fit_prompts(llm, [read_text(f)[:400] for f in files], length)
+    openings = []
+    for i in rng.permutation(len(corpus.train_files)):    # empty files (bare __init__.py) skipped
+        text = read_text(corpus.train_files[i])[:400]
+        if text.strip():
+            openings.append(text)
+        if len(openings) == num:
+            break
+    prompts = fit_prompts(llm, openings, length)
     outs = llm.generate(prompts, SamplingParams(temperature=0.7, seed=seed, max_tokens=length,
                                                  ignore_eos=True), use_tqdm=True)
     eos = tok.token_to_id(EOS)
@@ -199,10 +206,18 @@ def save_head(method: str, head: nn.Module, out: Path, target_dir: Path,
                    "lm_head.weight": head.lm_head.weight, "d2t": head.d2t}
         tensors |= _layer_tensors(head.layers[0], a, "layers.0.")
     elif method == "mtp":
-        # The target directory plus its MTP layer as one more shard.
+        # The target directory plus its MTP layer as one more shard. The target's weight shards
+        # are relative symlinks, not copies: the MTP layer is small, the target is not
+        # (`cp -rL` makes a self-contained copy).
         for f in target_dir.iterdir():
-            if f.is_file() and f.suffix in (".json", ".safetensors", ".png", ".jsonl"):
-                shutil.copy(f, out / f.name)
+            if f.name == "model-mtp.safetensors" or not f.is_file():
+                continue
+            dst = out / f.name
+            dst.unlink(missing_ok=True)
+            if f.suffix == ".safetensors":
+                dst.symlink_to(os.path.relpath(f.resolve(), out.resolve()))
+            elif f.suffix == ".json":
+                shutil.copy(f, dst)
         cfg = json.loads((target_dir / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
         p = f"model.layers.{cfg['num_hidden_layers']}."     # MTP layers follow the decoder
         tensors = {p + "enorm.weight": head.enorm.weight, p + "hnorm.weight": head.hnorm.weight,

@@ -53,16 +53,17 @@ def eagle_ckpt(d: Path) -> Path:
     return write(d, LAYER_CFG, t)
 
 
-def eagle3_ckpt(d: Path, draft_vocab: int = 64) -> Path:
-    g = torch.Generator().manual_seed(2)
+def eagle3_ckpt(d: Path, draft_vocab: int = 64, vocab: int = V, seed: int = 2) -> Path:
+    g = torch.Generator().manual_seed(seed)
     t = {"fc.weight": _rand(H, 3 * H, gen=g), "norm.weight": torch.ones(H),
          "lm_head.weight": _rand(draft_vocab, H, gen=g),
          "d2t": torch.arange(draft_vocab) // 2,     # draft id i -> target id i + i // 2
-         "t2d": torch.zeros(V, dtype=torch.bool),
+         "t2d": torch.zeros(vocab, dtype=torch.bool),
          "layers.0.hidden_norm.weight": torch.ones(H)}
     t |= _layer("layers.0.", g, in_dim=2 * H)
     cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-           "draft_vocab_size": draft_vocab, "transformer_layer_config": LAYER_CFG,
+           "draft_vocab_size": draft_vocab,
+           "transformer_layer_config": LAYER_CFG | {"vocab_size": vocab},
            "eagle_aux_hidden_state_layer_ids": [0, 1, 1]}
     return write(d, cfg, t)
 

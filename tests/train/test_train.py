@@ -135,3 +135,6 @@ def test_head_training_smoke(method, tiny_lm, small_corpus, tmp_path):
     got = LLM(str(model), device="cpu", speculative_config=spec).generate("def f(x):", sp,
                                                                           use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    if method == "mtp":     # the target's weights are linked, not copied
+        shards = [f for f in model.iterdir() if f.suffix == ".safetensors"]
+        assert [f.name for f in shards if not f.is_symlink()] == ["model-mtp.safetensors"]
