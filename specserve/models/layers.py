@@ -165,12 +165,12 @@ class MLP(nn.Module):
 
 
 class DecodeLinear(nn.Module):
-    """Inference-only linear that keeps its weight in both layouts and picks one per call.
+    """Inference-only float32 CPU linear over a oneDNN-packed copy of its weight.
 
-    On CPU a one-row matmul (batch-1 decode, draft steps) streams an [in, out] weight from DRAM
-    ~1.6x faster than the [out, in] layout F.linear reads, while 5-40 rows (verify steps, small
-    batches) are faster with [out, in]: measured with 94 MB of weights on the project's 2-core
-    EPYC, 1 row 3.76 vs 6.12 ms, 5 rows 8.61 vs 7.70 ms. The price is a second copy of the weights.
+    MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding: on the project's
+    2-core EPYC, cycling 75 MB of weights, 1/5/16 rows take 5.7/6.9/8.0 ms with F.linear and
+    3.5/3.7/3.8 ms with a weight packed once for oneDNN, so verifying k drafts costs about what
+    one decode token does. The price is a second copy of the weights.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -178,27 +178,33 @@ class DecodeLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight                  # same Parameter: ties stay tied
         self.bias = linear.bias
-        self.register_buffer("weight_t", linear.weight.detach().t().contiguous(),
-                             persistent=False)
+        # An opaque oneDNN tensor: a plain attribute, since module.to() cannot move it.
+        self.packed = linear.weight.detach().to_mkldnn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1:
-            y = x @ self.weight_t                                # [1, out]
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed,
+                                               self.bias, "none", [], "")     # [N, out]
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 def use_decode_linears(model: nn.Module) -> nn.Module:
     """Swap every nn.Linear of a float32 CPU inference model for a DecodeLinear (in place).
 
-    Other cases keep nn.Linear: on CUDA cuBLAS handles both shapes, and CPU bfloat16 (oneDNN)
-    is as fast with [out, in] for one row and faster for more (measured: 8192x384, 1 row
-    189 vs 273 us; 5 rows 208 vs 293 us)."""
+    Other cases keep nn.Linear: CUDA has cuBLAS, and CPU bfloat16 already runs on oneDNN
+    (packing the weight gains nothing there: 8192x384, 5 rows, 208 vs 207 us)."""
     w = next(model.parameters())
-    if w.device.type != "cpu" or w.dtype != torch.float32:
+    if w.device.type != "cpu" or w.dtype != torch.float32 or not _onednn_linear_available():
         return model
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, DecodeLinear(child))
     return model
+
+
+def _onednn_linear_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._linear_pointwise is not None
+    except (AttributeError, RuntimeError):
+        return False
+

@@ -104,13 +104,13 @@ def test_decode_linear_matches_linear():
         lin = t.nn.Linear(24, 40, bias=bias)
         dl = DecodeLinear(lin)
         assert dl.weight is lin.weight
-        for x in (t.randn(1, 24), t.randn(7, 24), t.randn(2, 5, 24)):   # both layouts used
+        for x in (t.randn(1, 24), t.randn(7, 24), t.randn(2, 5, 24), t.randn(6, 24)[::2]):
             assert t.allclose(dl(x), lin(x), atol=1e-5)
     seq = use_decode_linears(t.nn.Sequential(t.nn.Linear(4, 4), t.nn.ReLU(), t.nn.Linear(4, 2)))
     assert [type(m).__name__ for m in seq] == ["DecodeLinear", "ReLU", "DecodeLinear"]
 
 
-def test_engine_model_uses_transposed_weights_and_matches_transformers(hf_model):
+def test_engine_model_uses_packed_weights_and_matches_transformers(hf_model):
     from specserve import LLM, SamplingParams, TokensPrompt
     from specserve.models.layers import DecodeLinear
     _, path, hf = hf_model
