@@ -1,22 +1,36 @@
-"""What the benchmarks compare: speculation methods as speculative_config dicts, and the flags
-both benchmark commands share."""
+"""What the benchmarks compare: speculation methods as (model, speculative_config) pairs, and the
+flags both benchmark commands share."""
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
-METHODS = ("ngram", "suffix", "draft_model")
+from specserve.train.heads import HEAD_METHODS
+
+METHODS = ("ngram", "suffix", "draft_model", *HEAD_METHODS)
 
 
-def spec_config(method: str, k: int, draft: str) -> dict:
-    """The speculative_config a benchmark uses for `method` with K = k."""
+def head_dir(target: str, method: str) -> str:
+    """Where the zoo keeps `method`'s head for `target`: models/code-target-eagle3, ...; for
+    mtp the target plus its MTP layer (that directory is the model the engine loads)."""
+    return f"{target.rstrip('/')}-{method.replace('_', '-')}"
+
+
+def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict]:
+    """The model a benchmark loads for `method` and its speculative_config with K = k."""
+    spec = {"method": method, "num_speculative_tokens": k}
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                "prompt_lookup_max": 5}
+        return target, spec | {"prompt_lookup_min": 2, "prompt_lookup_max": 5}
     if method == "suffix":
-        return {"method": "suffix", "num_speculative_tokens": k}
+        return target, spec
     if method == "draft_model":
-        return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+        return target, spec | {"model": draft}
+    if method == "mtp":
+        return head_dir(target, method), spec
+    if method in HEAD_METHODS:
+        return target, spec | {"model": head_dir(target, method)}
     raise SystemExit(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
@@ -24,16 +38,25 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="models/code-target")
     p.add_argument("--draft", default="models/code-draft")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
+    p.add_argument("--methods", default="available",
+                   help="comma-separated, from " + ", ".join(METHODS) + "; default: every method "
+                        "whose draft or head exists (heads at <target>-<method>)")
     p.add_argument("--spec-extra", default=None,
                    help="JSON merged into every speculative_config, e.g. "
                         "'{\"disable_by_batch_size\": 8}'")
+    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
     p.add_argument("--results", default="benchmarks/RESULTS.md")
 
 
-def configs(a: argparse.Namespace) -> dict[str, dict]:
-    """method name -> speculative_config, from the common flags."""
-    import json
+def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
+    """method name -> (model to load, speculative_config), from the common flags."""
     extra = json.loads(a.spec_extra) if a.spec_extra else {}
-    return {m: spec_config(m, a.num_speculative_tokens, a.draft) | extra
-            for m in filter(None, a.methods.split(","))}
+    names = METHODS if a.methods == "available" else tuple(filter(None, a.methods.split(",")))
+    out = {}
+    for m in names:
+        model, spec = spec_config(m, a.num_speculative_tokens, a.target, a.draft)
+        needed = Path(spec.get("model", model))
+        if a.methods == "available" and not (needed / "config.json").is_file():
+            continue
+        out[m] = (model, spec | extra)
+    return out

@@ -169,7 +169,6 @@ def main(argv: list[str]) -> None:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
     p.add_argument("--title", default="Offline latency: specserve methods and transformers")
@@ -185,8 +184,8 @@ def main(argv: list[str]) -> None:
         for batch in [int(b) for b in a.batch_sizes.split(",")]:
             # Fresh engines per suite so acceptance statistics belong to this suite only.
             runners = [SpecserveRunner("specserve no-spec", a.target, None, a.dtype)]
-            runners += [SpecserveRunner(f"specserve {m} (K={K})", a.target, specs[m], a.dtype)
-                        for m in specs]
+            runners += [SpecserveRunner(f"specserve {m} (K={K})", model, spec, a.dtype)
+                        for m, (model, spec) in specs.items()]
             if not a.no_transformers and batch == 1:
                 runners += [TransformersRunner("transformers generate()", a.target, None, None,
                                                a.dtype),

@@ -89,8 +89,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model: str, spec: dict | None, port: int, threads: int | None):
-    cmd = [sys.executable, "-m", "specserve.cli", "serve", model, "--device", "cpu",
+def _start_server(model: str, spec: dict | None, port: int, threads: int | None, dtype: str):
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", model, "--device", "cpu", "--dtype", dtype,
            "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", "16"]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
@@ -112,9 +112,9 @@ def _start_server(model: str, spec: dict | None, port: int, threads: int | None)
 
 
 def _offline_ms_per_token(model: str, spec: dict | None, prompts: list[str],
-                          max_tokens: int) -> float:
+                          max_tokens: int, dtype: str) -> float:
     from specserve import LLM, SamplingParams
-    llm = LLM(model, speculative_config=spec, device="cpu")
+    llm = LLM(model, speculative_config=spec, device="cpu", dtype=dtype)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     times = []
@@ -153,13 +153,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=None)
     a = p.parse_args(argv)
-    specs: dict[str, dict | None] = {"no-spec": None} | configs(a)
+    specs: dict[str, tuple[str, dict | None]] = {"no-spec": (a.target, None)} | configs(a)
     prompts = PROMPT_SETS[a.prompt_set](16)
     rows = []
-    for name, spec in specs.items():
-        offline_ms = _offline_ms_per_token(a.target, spec, prompts[:4], a.max_tokens)
+    for name, (model, spec) in specs.items():
+        offline_ms = _offline_ms_per_token(model, spec, prompts[:4], a.max_tokens, a.dtype)
         port = _free_port()
-        proc = _start_server(a.target, spec, port, a.threads)
+        proc = _start_server(model, spec, port, a.threads, a.dtype)
         try:
             url = f"http://127.0.0.1:{port}"
             asyncio.run(_load(url, prompts, 1, 1, 8))                 # warm-up
@@ -181,8 +181,8 @@ def main(argv: list[str]) -> None:
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
              f"{os.cpu_count()} CPUs",
              f"- command: `specserve bench {' '.join(argv)}`",
-             f"- target {a.target}, draft {a.draft}, K={a.num_speculative_tokens}, greedy, "
-             f"extra speculative_config {a.spec_extra or 'none'}, {a.prompt_set} prompts, "
+             f"- target {a.target}, draft {a.draft}, dtype {a.dtype}, "
+             f"K={a.num_speculative_tokens}, greedy, extra speculative_config {a.spec_extra or 'none'}, {a.prompt_set} prompts, "
              f"{a.max_tokens} tokens per request, closed loop, {a.requests_per_client} requests "
              f"per client; plot: {png.name}", "",
              "| config | concurrency | output tok/s | vs no-spec | TTFT p50/p90/p99 ms | "

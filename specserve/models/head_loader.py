@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from specserve.models.heads import Eagle3Head, EagleHead, MedusaHeads, MLPSpeculator, MTPLayer
+from specserve.models.layers import use_decode_linears
 from specserve.models.llama import LlamaArgs
 from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_dict
 
@@ -58,7 +59,7 @@ def load_head(method: str, path: str, target: nn.Module, device: torch.device,
     loaders = {"eagle": _load_eagle, "eagle3": _load_eagle3, "medusa": _load_medusa,
                "mlp_speculator": _load_mlp_speculator, "mtp": _load_mtp}
     head = loaders[method](Path(path), target)
-    return head.to(device=device, dtype=dtype).eval()
+    return use_decode_linears(head.to(device=device, dtype=dtype).eval())
 
 
 def _embedding(state: dict, target: nn.Module, vocab: int, hidden: int) -> nn.Embedding:

@@ -1,0 +1,35 @@
+"""Which configurations the benchmarks compare (the runs themselves are not tests)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specserve.bench.methods import add_common_args, configs
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_common_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_available_methods_are_those_with_files(tmp_path):
+    target, draft = tmp_path / "t", tmp_path / "d"
+    for d in (target, draft, tmp_path / "t-eagle3", tmp_path / "t-mtp"):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    got = configs(_args("--target", str(target), "--draft", str(draft), "--spec-extra",
+                        '{"disable_by_batch_size": 8}'))
+    assert list(got) == ["ngram", "suffix", "draft_model", "eagle3", "mtp"]
+    assert got["eagle3"] == (str(target), {"method": "eagle3", "num_speculative_tokens": 4,
+                                           "model": str(tmp_path / "t-eagle3"),
+                                           "disable_by_batch_size": 8})
+    assert got["mtp"][0] == str(tmp_path / "t-mtp")          # the MTP dir is the model loaded
+
+
+def test_named_methods_are_kept_and_unknown_ones_named():
+    assert list(configs(_args("--methods", "medusa,ngram"))) == ["medusa", "ngram"]
+    with pytest.raises(SystemExit, match="unknown method 'foo'"):
+        configs(_args("--methods", "foo"))
