@@ -111,7 +111,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.kind in HEAD_METHODS:
         from specserve.train.heads import train_head
         result = train_head(args.kind, cfg, Path(args.target), Path(args.out),
-                            k=args.num_speculative_tokens, num_generated=args.num_generated)
+                            k=args.num_speculative_tokens, num_generated=args.num_generated,
+                            draft_vocab=args.draft_vocab_size)
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
     if args.kind == "lm":
@@ -182,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured at this K)")
     t.add_argument("--num-generated", type=int, default=64,
                    help="heads: target-generated continuations added to the training text")
+    t.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="eagle3: keep only this many most frequent target tokens in the head's "
+                        "lm_head (default: the whole vocabulary)")
     t.add_argument("--vocab-size", type=int, default=8192, help="lm: BPE vocabulary size")
     add_dataclass_args(t, TrainConfig, skip=("work_dir",))
     add_dataclass_args(t, ModelShape)

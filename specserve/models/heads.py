@@ -129,6 +129,10 @@ class StatefulHead(nn.Module):
         """The target's hidden states [T, H] as this head's input state."""
         return hidden
 
+    def greedy_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        """The most likely next token (a target id) for each output row [T, H]: [T]."""
+        return self.logits(out).argmax(dim=-1)
+
 
 class EagleHead(StatefulHead):
     """EAGLE-1: out = layer(fc([embed(token); h])); logits = target lm_head(out)."""
@@ -192,13 +196,23 @@ class Eagle3Head(StatefulHead):
         emb = self.embed_tokens(token_ids)
         return self.layers[0](emb, h, self.rotary.tables(positions, emb.dtype), md, cache)
 
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))                                  # [T, draft_vocab]
+
+    def draft_to_target(self) -> torch.Tensor:
+        """The target id of each draft-vocabulary id: [draft_vocab]."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def greedy_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        best = self.draft_logits(out).argmax(dim=-1)                        # [T] draft ids
+        return best + self.d2t[best]
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        draft = self.lm_head(self.norm(out))                                 # [T, draft_vocab]
+        draft = self.draft_logits(out)                                       # [T, draft_vocab]
         if draft.shape[-1] == self.target_vocab and not self.d2t.any():
             return draft
         full = draft.new_full((draft.shape[0], self.target_vocab), float("-inf"))
-        ids = torch.arange(draft.shape[-1], device=draft.device) + self.d2t
-        return full.index_copy(1, ids, draft)
+        return full.index_copy(1, self.draft_to_target(), draft)
 
 
 class MTPLayer(StatefulHead):

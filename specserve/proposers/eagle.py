@@ -70,7 +70,7 @@ class HeadProposer:
         drafts: list[list[int]] = [[] for _ in drafting]
         active = list(range(len(drafting)))
         while True:
-            toks = self.head.logits(state).argmax(dim=-1).tolist()
+            toks = self.head.greedy_tokens(state).tolist()
             for j, t in zip(active, toks):
                 drafts[j].append(t)
             keep = [n for n, j in enumerate(active) if len(drafts[j]) < batch.max_num_tokens[j]]

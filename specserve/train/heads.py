@@ -8,8 +8,8 @@ tokens, because acceptance is agreement with the target:
 - mlp_speculator: stage i (teacher-forced with the true tokens) vs the target at t+i+1;
 - eagle: layer(fc([embed(x_t+1); h_t])) vs the target at t+1, plus feature regression to h_t+1
   (smooth L1, as in EAGLE);
-- eagle3: the same over fc-fused aux states, plus a second unrolled pass that feeds the head's
-  own outputs back (a short form of EAGLE-3's training-time test);
+- eagle3: the same over fc-fused aux states and the draft vocabulary, plus unrolled passes that
+  feed the head's own outputs back (a short form of EAGLE-3's training-time test);
 - mtp: the MTP layer over (h_t, x_t+1) vs the target at t+1.
 The result is written in the public format the loader reads, then tau is measured on held-out
 prompts.
@@ -37,6 +37,7 @@ from specserve.train.lm import _setup, prepare_data
 from specserve.train.trainer import TrainConfig, _positions, train
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+EAGLE3_TRAIN_STEPS = 3      # unrolled draft steps per training position (training-time test)
 
 
 def _layer_args(target: LlamaArgs) -> LlamaArgs:
@@ -46,7 +47,10 @@ def _layer_args(target: LlamaArgs) -> LlamaArgs:
     return a
 
 
-def build_head(method: str, target, k: int) -> nn.Module:
+def build_head(method: str, target, k: int, draft_vocab: int | None = None,
+               token_counts: np.ndarray | None = None) -> nn.Module:
+    """A fresh head for `target`. eagle3 with `draft_vocab` < the target's vocabulary keeps the
+    `draft_vocab` target ids most frequent in `token_counts` [V] (as EAGLE-3 does)."""
     a = target.args
     if method == "medusa":
         return MedusaHeads(a.hidden_size, a.vocab_size, k, num_layers=1)
@@ -56,8 +60,13 @@ def build_head(method: str, target, k: int) -> nn.Module:
         return EagleHead(_layer_args(a), fc_bias=True, embed=target.embed_tokens,
                          lm_head=target.lm_head)
     if method == "eagle3":
-        head = Eagle3Head(_layer_args(a), 3, a.hidden_size, a.vocab_size, a.vocab_size,
-                          target.embed_tokens)
+        n = min(draft_vocab or a.vocab_size, a.vocab_size)
+        head = Eagle3Head(_layer_args(a), 3, a.hidden_size, n, a.vocab_size, target.embed_tokens)
+        if n < a.vocab_size:
+            if token_counts is None:
+                raise ValueError("a reduced eagle3 draft vocabulary needs token counts")
+            ids = torch.from_numpy(np.sort(np.argsort(-token_counts, kind="stable")[:n]))
+            head.d2t.copy_(ids - torch.arange(n))
         L = a.num_hidden_layers
         head.aux_layers = (min(2, L - 1), L // 2, max(0, L - 3))
         return head
@@ -84,7 +93,10 @@ def head_loss(method: str, head: nn.Module, target):
                 h, aux = target(x, pos, aux_layers=aux_layers)
             else:
                 h, aux = target(x, pos), None
-            logp = F.log_softmax(target.compute_logits(h).float(), -1)     # [B, S, V]
+            logits = target.compute_logits(h).float()                      # [B, S, V]
+            if method == "eagle3":      # the target's distribution over the draft vocabulary
+                logits = logits[..., head.draft_to_target()]
+            logp = F.log_softmax(logits, -1)
         S = x.shape[1]
         if method == "medusa":
             losses = [_kl(lm(block(h[:, :S - i - 1])), logp[:, i + 1:])
@@ -102,7 +114,8 @@ def head_loss(method: str, head: nn.Module, target):
         # eagle / eagle3 / mtp: pairs (state at t, token t+1) for t = 0..S-2
         tok, hin = x[:, 1:], (aux if method == "eagle3" else h)[:, :-1]
         out = head(tok, head.fuse_target(hin), pos[:, :-1], None, None)    # [B, S-1, H]
-        kl = _kl(head.logits(out), logp[:, 1:])
+        head_logits = head.draft_logits if method == "eagle3" else head.logits
+        kl = _kl(head_logits(out), logp[:, 1:])
         values = {"kl": kl.item()}
         loss = kl
         if method == "eagle":
@@ -110,11 +123,14 @@ def head_loss(method: str, head: nn.Module, target):
             loss = loss * 0.1 + reg
             values["feature_l1"] = reg.item()
         if method == "eagle3":
-            # Second pass: the head's own output at t-1 replaces the target state at t.
-            out2 = head(tok[:, 1:], out[:, :-1], pos[:, 1:-1], None, None)
-            kl2 = _kl(head.logits(out2), logp[:, 2:])
-            loss = (kl + kl2) / 2
-            values["kl_step2"] = kl2.item()
+            # Further passes: the head's own output at t-1 replaces the target state at t, as
+            # when it drafts its 2nd, 3rd, ... token.
+            kls = [kl]
+            for j in range(1, EAGLE3_TRAIN_STEPS):
+                out = head(tok[:, j:], out[:, :-1], pos[:, j:-1], None, None)
+                kls.append(_kl(head_logits(out), logp[:, j + 1:]))
+                values[f"kl_step{j + 1}"] = kls[-1].item()
+            loss = sum(kls) / len(kls)
         values["loss"] = loss.item()
         return loss, values
     return fn
@@ -270,7 +286,7 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
 
 def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: int = 4,
                num_generated: int = 64, generated_len: int = 256,
-               corpus: Corpus | None = None) -> dict:
+               corpus: Corpus | None = None, draft_vocab: int | None = None) -> dict:
     """Train a head for `target_dir`, write it to `out`, return its tau evaluation."""
     device = _setup(cfg)
     corpus = corpus or Corpus.stdlib()
@@ -285,7 +301,8 @@ def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: in
         np.save(gen_cache, generated_tokens(target_dir, corpus, num_generated, generated_len,
                                             cfg.seed))
     ids = np.concatenate([train_ids.astype(np.int64), np.load(gen_cache)])
-    head = build_head(method, target, k).to(device)
+    counts = np.bincount(ids, minlength=target.args.vocab_size)
+    head = build_head(method, target, k, draft_vocab, counts).to(device)
     print(f"{method} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "
           f"trainable parameters; {len(ids) / 1e6:.2f}M training tokens", flush=True)
     log = train(head, ids, cfg, device, head_loss(method, head, target))

@@ -113,8 +113,10 @@ def test_bundled_models_load_and_generate(name):
     assert len(out.token_ids) >= 1 and out.text.strip()
 
 
-@pytest.mark.parametrize("method", ["medusa", "mlp_speculator", "eagle", "eagle3", "mtp"])
-def test_head_training_smoke(method, tiny_lm, small_corpus, tmp_path):
+@pytest.mark.parametrize("method, draft_vocab", [("medusa", None), ("mlp_speculator", None),
+                                                 ("eagle", None), ("eagle3", None),
+                                                 ("eagle3", 100), ("mtp", None)])
+def test_head_training_smoke(method, draft_vocab, tiny_lm, small_corpus, tmp_path):
     """Seconds of training lower the loss, write the public format, and the head loads and
     speculates losslessly with a measured tau."""
     from specserve.train.heads import train_head
@@ -122,7 +124,12 @@ def test_head_training_smoke(method, tiny_lm, small_corpus, tmp_path):
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=25, batch_size=4, seq_len=64, lr=3e-3,
                       warmup=2, eval_every=25, bf16=False, device="cpu")
     result = train_head(method, cfg, target, tmp_path / f"tiny-{method}", k=3, num_generated=2,
-                        generated_len=16, corpus=small_corpus)
+                        generated_len=16, corpus=small_corpus, draft_vocab=draft_vocab)
+    if draft_vocab:
+        from safetensors.torch import load_file
+        d2t = load_file(str(tmp_path / f"tiny-{method}" / "model.safetensors"))["d2t"]
+        ids = torch.arange(draft_vocab) + d2t
+        assert len(set(ids.tolist())) == draft_vocab and ids.max() < 400 and d2t.any()
     log = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
     assert sum(r["loss"] for r in log[-3:]) < sum(r["loss"] for r in log[:3])
     assert 1.0 <= result["tau"] <= 4.0 and len(result["per_position"]) == 3
