@@ -3,8 +3,9 @@
 For each configuration (no speculation and each method) a server subprocess is started; the
 load generator streams greedy completions at each concurrency level (closed loop: a client
 sends its next request when the previous one ends) and measures output tokens/s, TTFT and
-time per output token (TPOT) percentiles. At concurrency 1 the offline engine's per-token time
-for the same configuration is measured too, in this process, on the same prompts.
+time per output token (TPOT) percentiles. At concurrency 1 the offline engine's TPOT for the
+same configuration is measured too, in this process, on the same prompts with the same number
+of torch threads.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 
 from specserve.bench.methods import add_common_args, configs
 from specserve.bench.prompts import PROMPT_SETS
@@ -89,14 +91,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model: str, spec: dict | None, port: int, threads: int | None, dtype: str):
-    cmd = [sys.executable, "-m", "specserve.cli", "serve", model, "--device", "cpu", "--dtype", dtype,
-           "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", "16"]
+def _start_server(model: str, spec: dict | None, port: int, threads: int, dtype: str):
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", model, "--device", "cpu",
+           "--dtype", dtype, "--port", str(port), "--served-model-name", "bench",
+           "--max-num-seqs", "16"]
     if spec:
         cmd += ["--speculative-config", json.dumps(spec)]
     env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
+    env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -111,18 +113,24 @@ def _start_server(model: str, spec: dict | None, port: int, threads: int | None,
     raise RuntimeError("server did not become healthy in 120 s")
 
 
-def _offline_ms_per_token(model: str, spec: dict | None, prompts: list[str],
-                          max_tokens: int, dtype: str) -> float:
+def _offline_tpot_ms(model: str, spec: dict | None, prompts: list[str], max_tokens: int,
+                     dtype: str) -> float:
+    """The offline engine's time per output token after the first (the server's TPOT), median
+    over `prompts` run one at a time."""
     from specserve import LLM, SamplingParams
-    llm = LLM(model, speculative_config=spec, device="cpu", dtype=dtype)
+    engine = LLM(model, speculative_config=spec, device="cpu", dtype=dtype).engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    times = []
-    for p in prompts:
-        t = time.perf_counter()
-        out = llm.generate([p], sp, use_tqdm=False)[0]
-        times.append((time.perf_counter() - t) / len(out.outputs[0].token_ids))
-    return 1e3 * statistics.median(times)
+    tpots = []
+    for p in [prompts[0], *prompts]:             # the first run warms up
+        engine.add_request(p, sp)
+        first = None
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            if first is None and outs:
+                first = time.perf_counter()
+        n = len(outs[0].outputs[0].token_ids)
+        tpots.append((time.perf_counter() - first) / (n - 1))
+    return 1e3 * statistics.median(tpots[1:])
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -151,13 +159,19 @@ def main(argv: list[str]) -> None:
     p.add_argument("--requests-per-client", type=int, default=3)
     p.add_argument("--prompt-set", default="completion", choices=sorted(PROMPT_SETS))
     p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="torch threads of the server and of the offline reference (default: "
+                        "all CPUs but one, which the load generator on this machine needs)")
     a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
     specs: dict[str, tuple[str, dict | None]] = {"no-spec": (a.target, None)} | configs(a)
     prompts = PROMPT_SETS[a.prompt_set](16)
     rows = []
     for name, (model, spec) in specs.items():
-        offline_ms = _offline_ms_per_token(model, spec, prompts[:4], a.max_tokens, a.dtype)
+        # The prompts the server gets at concurrency 1, in the same order.
+        offline_ms = _offline_tpot_ms(model, spec, [prompts[i % len(prompts)] for i in
+                                                    range(a.requests_per_client)],
+                                      a.max_tokens, a.dtype)
         port = _free_port()
         proc = _start_server(model, spec, port, a.threads, a.dtype)
         try:
@@ -179,14 +193,16 @@ def main(argv: list[str]) -> None:
     _plot(rows, png)
     lines = ["\n## Serving load: `specserve serve` over HTTP\n",
              f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
-             f"{os.cpu_count()} CPUs",
+             f"{os.cpu_count()} CPUs, {a.threads} torch threads for the server and the offline "
+             "reference (the load generator runs on the same machine)",
              f"- command: `specserve bench {' '.join(argv)}`",
              f"- target {a.target}, draft {a.draft}, dtype {a.dtype}, "
-             f"K={a.num_speculative_tokens}, greedy, extra speculative_config {a.spec_extra or 'none'}, {a.prompt_set} prompts, "
+             f"K={a.num_speculative_tokens}, greedy, extra speculative_config "
+             f"{a.spec_extra or 'none'}, {a.prompt_set} prompts, "
              f"{a.max_tokens} tokens per request, closed loop, {a.requests_per_client} requests "
              f"per client; plot: {png.name}", "",
              "| config | concurrency | output tok/s | vs no-spec | TTFT p50/p90/p99 ms | "
-             "TPOT p50/p90/p99 ms | offline ms/token | errors |",
+             "TPOT p50/p90/p99 ms | offline TPOT ms | errors |",
              "|---|---:|---:|---:|---|---|---:|---:|"]
     for r in rows:
         off = "" if r["offline_ms_per_token"] is None else f"{r['offline_ms_per_token']:.2f}"

@@ -238,6 +238,10 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Interleave several requests' outputs as they arrive, tagged with their index."""
+        if len(gens) == 1:              # the common case: no extra task and queue hop per step
+            async for out in gens[0]:
+                yield 0, out
+            return
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, gen):
