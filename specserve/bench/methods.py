@@ -7,15 +7,9 @@ import argparse
 import json
 from pathlib import Path
 
-from specserve.train.heads import HEAD_METHODS
+from specserve.train.heads import HEAD_METHODS, head_dir
 
 METHODS = ("ngram", "suffix", "draft_model", *HEAD_METHODS)
-
-
-def head_dir(target: str, method: str) -> str:
-    """Where the zoo keeps `method`'s head for `target`: models/code-target-eagle3, ...; for
-    mtp the target plus its MTP layer (that directory is the model the engine loads)."""
-    return f"{target.rstrip('/')}-{method.replace('_', '-')}"
 
 
 def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict]:

@@ -40,6 +40,12 @@ HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 EAGLE3_TRAIN_STEPS = 3      # unrolled draft steps per training position (training-time test)
 
 
+def head_dir(target: str | Path, method: str) -> str:
+    """Where the zoo keeps `method`'s head for `target`: models/code-target-eagle3, ...; for
+    mtp the target plus its MTP layer (that directory is the model the engine loads)."""
+    return f"{str(target).rstrip('/')}-{method.replace('_', '-')}"
+
+
 def _layer_args(target: LlamaArgs) -> LlamaArgs:
     """A head's decoder layer has the target's width and attention shape."""
     a = LlamaArgs(**{k: getattr(target, k) for k in target.__dataclass_fields__})

@@ -3,13 +3,16 @@
 Stages (each resumes from its checkpoint in `<work>/`):
 1. byte-level BPE tokenizer (8192 tokens) on the stdlib training files;
 2. models/code-target: 22M-parameter Llama, 2600 steps x 8 x 512 tokens (about 1.25 epochs);
-3. models/code-draft: 2.4M-parameter Llama distilled from the target (KL on corpus text).
+3. models/code-draft: 2.4M-parameter Llama distilled from the target (KL on corpus text);
+4. a head of every method for the target: models/code-target-{eagle,eagle3,medusa,
+   mlp-speculator,mtp} (`HEAD_RECIPES`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from specserve.train.heads import head_dir, train_head
 from specserve.train.lm import ModelShape, train_draft, train_lm
 from specserve.train.trainer import TrainConfig
 
@@ -28,6 +31,24 @@ def draft_config(work: Path, **kw) -> TrainConfig:
                        lr=2e-3, warmup=50, eval_every=400, ckpt_every=50, **kw)
 
 
+# method -> (steps, batch size, extra train_head arguments). eagle3 drafts over the 2048 most
+# frequent tokens, which makes its steps cheap enough for a longer run; the others compute a
+# full-vocabulary KL per drafted position and get shorter ones.
+HEAD_RECIPES: dict[str, tuple[int, int, dict]] = {
+    "eagle3": (2000, 8, {"draft_vocab": 2048}),
+    "medusa": (400, 4, {}),
+    "mlp_speculator": (400, 4, {}),
+    "eagle": (400, 4, {}),
+    "mtp": (400, 4, {}),
+}
+
+
+def head_config(work: Path, method: str, **kw) -> TrainConfig:
+    steps, batch, _ = HEAD_RECIPES[method]
+    return TrainConfig(work_dir=str(work / "heads" / method), steps=steps, batch_size=batch,
+                       seq_len=512, lr=1e-3, warmup=100, eval_every=100_000, ckpt_every=50, **kw)
+
+
 def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None = None,
               device: str = "auto") -> None:
     out_dir, work_dir = Path(out), Path(work)
@@ -40,3 +61,12 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
     bpb = train_draft(draft_config(work_dir, **kw), DRAFT_SHAPE, out_dir / "code-target",
                       out_dir / "code-draft")
     print(f"code-draft: val bits/byte {bpb:.4f}", flush=True)
+    if bpb != bpb:
+        return
+    for method, (_, _, extra) in HEAD_RECIPES.items():
+        out = Path(head_dir(out_dir / "code-target", method))
+        result = train_head(method, head_config(work_dir, method, **kw), out_dir / "code-target",
+                            out, num_generated=128, **extra)
+        if not result:
+            return
+        print(f"{out.name}: tau {result['tau']:.2f} at K=4", flush=True)

@@ -113,6 +113,22 @@ def test_bundled_models_load_and_generate(name):
     assert len(out.token_ids) >= 1 and out.text.strip()
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "mlp_speculator", "mtp"])
+def test_bundled_heads_speculate_losslessly(method):
+    """Every bundled head loads for the bundled target, drafts, and keeps greedy output."""
+    from specserve.bench.methods import spec_config
+    model, spec = spec_config(method, 4, str(REPO / "models" / "code-target"), "")
+    assert (Path(spec.get("model", model)) / "config.json").is_file(), f"{method} head missing"
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = "def fibonacci(n):\n    "
+    ref = LLM(str(REPO / "models" / "code-target"), device="cpu").generate(prompt, sp,
+                                                                          use_tqdm=False)
+    llm = LLM(model, device="cpu", speculative_config=spec)
+    got = llm.generate(prompt, sp, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("method, draft_vocab", [("medusa", None), ("mlp_speculator", None),
                                                  ("eagle", None), ("eagle3", None),
                                                  ("eagle3", 100), ("mtp", None)])
