@@ -131,8 +131,17 @@ def _load_medusa(d: Path, target) -> MedusaHeads:
     hidden, vocab = target.args.hidden_size, target.args.vocab_size
     _check_target(str(d), "vocab_size", state["lm_heads.0.weight"].shape[0]
                   if "lm_heads.0.weight" in state else vocab, vocab)
-    heads = MedusaHeads(hidden, vocab, n, layers)
-    _assign(heads, state, str(d))
+    if not cfg.get("original_lm_head"):
+        heads = MedusaHeads(hidden, vocab, n, layers)
+        _assign(heads, state, str(d))
+        return heads
+    shared = target.lm_head                 # a copy in the checkpoint wins, as in vLLM
+    if "lm_head.weight" in state:
+        _check_target(str(d), "vocab_size", state["lm_head.weight"].shape[0], vocab)
+        shared = nn.Linear(hidden, vocab, bias=False)
+        shared.weight.data.copy_(state.pop("lm_head.weight"))
+    heads = MedusaHeads(hidden, vocab, n, layers, shared_lm_head=shared)
+    _assign(heads, state, str(d), optional=("lm_heads.",))
     return heads
 
 

@@ -44,12 +44,17 @@ class ResidualBlocks(nn.Module):
 
 class MedusaHeads(nn.Module):
     """K heads on the target's last hidden state; head i predicts the token i+2 positions after
-    the state (the target's own lm_head predicts the next one)."""
+    the state (the target's own lm_head predicts the next one). Each head has its own lm_head,
+    or all share `shared_lm_head` (vLLM's `original_lm_head`: the target's, so the checkpoint
+    holds only the residual blocks)."""
 
-    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int) -> None:
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int,
+                 shared_lm_head: nn.Module | None = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(ResidualBlocks(hidden, num_layers) for _ in range(num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False)
+        self.shared = shared_lm_head is not None
+        self.lm_heads = nn.ModuleList(shared_lm_head if self.shared else
+                                      nn.Linear(hidden, vocab, bias=False)
                                       for _ in range(num_heads))
 
     @property
@@ -58,8 +63,10 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [B, H] -> logits [B, num_heads, V]
-        return torch.stack([head(block(hidden)) for block, head in zip(self.blocks, self.lm_heads)],
-                           dim=1)
+        states = torch.stack([block(hidden) for block in self.blocks], dim=1)   # [B, n, H]
+        if self.shared:                  # one matmul for every head
+            return self.lm_heads[0](states)
+        return torch.stack([lm(states[:, i]) for i, lm in enumerate(self.lm_heads)], dim=1)
 
 
 # ---- MLP speculator -----------------------------------------------------------------------

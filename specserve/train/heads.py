@@ -37,6 +37,7 @@ from specserve.train.lm import _setup, prepare_data
 from specserve.train.trainer import TrainConfig, _positions, train
 
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+MLP_INNER_DIM = 256         # MLP speculator state width: its two vocab matrices dominate its size
 EAGLE3_TRAIN_STEPS = 3      # unrolled draft steps per training position (training-time test)
 
 
@@ -58,10 +59,11 @@ def build_head(method: str, target, k: int, draft_vocab: int | None = None,
     """A fresh head for `target`. eagle3 with `draft_vocab` < the target's vocabulary keeps the
     `draft_vocab` target ids most frequent in `token_counts` [V] (as EAGLE-3 does)."""
     a = target.args
-    if method == "medusa":
-        return MedusaHeads(a.hidden_size, a.vocab_size, k, num_layers=1)
-    if method == "mlp_speculator":
-        return MLPSpeculator(a.hidden_size, a.hidden_size, a.vocab_size, k)
+    if method == "medusa":          # heads share the target's (frozen) lm_head: small files
+        return MedusaHeads(a.hidden_size, a.vocab_size, k, num_layers=1,
+                           shared_lm_head=target.lm_head)
+    if method == "mlp_speculator":  # stages share embedding and head (IBM's tie_weights)
+        return MLPSpeculator(a.hidden_size, MLP_INNER_DIM, a.vocab_size, k, tie_weights=True)
     if method == "eagle":
         return EagleHead(_layer_args(a), fc_bias=True, embed=target.embed_tokens,
                          lm_head=target.lm_head)
@@ -206,13 +208,14 @@ def save_head(method: str, head: nn.Module, out: Path, target_dir: Path,
         cfg = {"architectures": ["MedusaModel"], "num_heads": head.num_heads,
                "num_hidden_layers": len(head.blocks[0].layers),
                "hidden_size": head.lm_heads[0].in_features,
-               "vocab_size": head.lm_heads[0].out_features}
-        tensors = dict(head.state_dict())
+               "vocab_size": head.lm_heads[0].out_features, "original_lm_head": head.shared}
+        tensors = {k: v for k, v in head.state_dict().items()
+                   if not (head.shared and k.startswith("lm_heads."))}
     elif method == "mlp_speculator":
         cfg = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator",
                "emb_dim": head.proj[0].in_features, "inner_dim": head.proj[0].out_features,
                "n_predict": head.n_predict, "vocab_size": head.head[0].out_features,
-               "tie_weights": False, "scale_input": False}
+               "tie_weights": len(head.emb) == 1, "scale_input": head.ln0 is not None}
         tensors = dict(head.state_dict())
     elif method == "eagle":
         cfg = a.to_hf_config() | {"num_hidden_layers": 1}

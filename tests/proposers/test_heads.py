@@ -68,7 +68,8 @@ def eagle3_ckpt(d: Path, draft_vocab: int = 64, vocab: int = V, seed: int = 2) -
     return write(d, cfg, t)
 
 
-def medusa_ckpt(d: Path, faster_decoding: bool = False, heads: int = 4) -> Path:
+def medusa_ckpt(d: Path, faster_decoding: bool = False, heads: int = 4,
+                original_lm_head: bool = False) -> Path:
     g = torch.Generator().manual_seed(3)
     if faster_decoding:
         t = {}
@@ -81,9 +82,10 @@ def medusa_ckpt(d: Path, faster_decoding: bool = False, heads: int = 4) -> Path:
     for i in range(heads):
         t[f"blocks.{i}.layers.0.weight"] = _rand(H, H, gen=g)
         t[f"blocks.{i}.layers.0.bias"] = _rand(H, gen=g)
-        t[f"lm_heads.{i}.weight"] = _rand(V, H, gen=g)
+        if not original_lm_head:        # else every head uses the target's lm_head
+            t[f"lm_heads.{i}.weight"] = _rand(V, H, gen=g)
     return write(d, {"architectures": ["MedusaModel"], "num_heads": heads, "num_hidden_layers": 1,
-                     "hidden_size": H, "vocab_size": V}, t)
+                     "hidden_size": H, "vocab_size": V, "original_lm_head": original_lm_head}, t)
 
 
 def mlp_speculator_ckpt(d: Path, n_predict: int = 3, inner: int = 48) -> Path:
@@ -125,6 +127,7 @@ def heads(tmp_path_factory):
         "eagle3": ("eagle3", eagle3_ckpt(root / "e3")),
         "medusa": ("medusa", medusa_ckpt(root / "medusa")),
         "medusa_fd": ("medusa", medusa_ckpt(root / "medusa-fd", faster_decoding=True)),
+        "medusa_shared": ("medusa", medusa_ckpt(root / "medusa-sh", original_lm_head=True)),
         "mlp_speculator": ("mlp_speculator", mlp_speculator_ckpt(root / "mlp")),
     }
 
@@ -138,7 +141,8 @@ def _prompts(n, seed):
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "medusa_fd", "mlp_speculator"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "medusa", "medusa_fd", "medusa_shared",
+                                  "mlp_speculator"])
 def test_head_methods_are_lossless(name, heads, llama_dir):
     method, path = heads[name]
     ps = _prompts(6, seed=7)
@@ -197,6 +201,9 @@ def test_loaded_weights_match_the_files(heads, llama_dir):
                      f["layers.0.self_attn.v_proj.weight"]])
     assert torch.equal(e.layers[0].self_attn.qkv_proj.weight, qkv)
     assert e.embed_tokens is target.embed_tokens      # shared when the head has none
+    ms = load_head("medusa", str(heads["medusa_shared"][1]), target, torch.device("cpu"),
+                   torch.float32)
+    assert all(lm.weight is target.lm_head.weight for lm in ms.lm_heads)
     e3 = load_head("eagle3", str(heads["eagle3"][1]), target, torch.device("cpu"), torch.float32)
     out = torch.randn(2, H)
     logits = e3.logits(out)
