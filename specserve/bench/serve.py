@@ -1,9 +1,10 @@
 """`specserve bench serve`: HTTP load on a live `specserve serve` per configuration.
 
-For each configuration (no speculation and each method) a server subprocess is started; the
-load generator streams greedy completions at each concurrency level (closed loop: a client
-sends its next request when the previous one ends) and measures output tokens/s, TTFT and
-time per output token (TPOT) percentiles. At concurrency 1 the offline engine's TPOT for the
+For each configuration (no speculation and each method) a server subprocess is started, all of
+them before any load; the load generator then runs rounds that visit every configuration at each
+concurrency level (closed loop: a client sends its next request when the previous one ends) and
+measures output tokens/s (median over rounds), TTFT and time per output token (TPOT)
+percentiles. At concurrency 1 the offline engine's TPOT for the
 same configuration is measured too, in this process, on the same prompts with the same number
 of torch threads.
 """
@@ -57,7 +58,8 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
 
 
 async def _load(url: str, prompts: list[str], concurrency: int, num_requests: int,
-                max_tokens: int) -> dict:
+                max_tokens: int) -> tuple[list[dict], int, float]:
+    """One closed-loop run: (per-request results, errors, wall seconds)."""
     results: list[dict] = []
     errors = 0
     todo = iter(range(num_requests))
@@ -73,16 +75,20 @@ async def _load(url: str, prompts: list[str], concurrency: int, num_requests: in
     async with httpx.AsyncClient(timeout=600) as client:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    toks = sum(r["tokens"] for r in results)
-    return {"concurrency": concurrency, "requests": len(results), "errors": errors,
-            "output_tokens_per_s": toks / wall,
-            "ttft_p50_ms": 1e3 * _pct([r["ttft"] for r in results], 0.5),
-            "ttft_p90_ms": 1e3 * _pct([r["ttft"] for r in results], 0.9),
-            "ttft_p99_ms": 1e3 * _pct([r["ttft"] for r in results], 0.99),
-            "tpot_p50_ms": 1e3 * _pct([r["tpot"] for r in results], 0.5),
-            "tpot_p90_ms": 1e3 * _pct([r["tpot"] for r in results], 0.9),
-            "tpot_p99_ms": 1e3 * _pct([r["tpot"] for r in results], 0.99)}
+        return results, errors, time.perf_counter() - t0
+
+
+def _summary(concurrency: int, runs: list[tuple[list[dict], int, float]]) -> dict:
+    """Median throughput over rounds; latency percentiles over every request of every round."""
+    results = [r for res, _, _ in runs for r in res]
+    row = {"concurrency": concurrency, "requests": len(results),
+           "errors": sum(e for _, e, _ in runs),
+           "output_tokens_per_s": statistics.median(sum(r["tokens"] for r in res) / wall
+                                                    for res, _, wall in runs)}
+    for key in ("ttft", "tpot"):
+        for q in (50, 90, 99):
+            row[f"{key}_p{q}_ms"] = 1e3 * _pct([r[key] for r in results], q / 100)
+    return row
 
 
 def _free_port() -> int:
@@ -157,6 +163,8 @@ def main(argv: list[str]) -> None:
     add_common_args(p)
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds over all configurations (median throughput over rounds)")
     p.add_argument("--prompt-set", default="completion", choices=sorted(PROMPT_SETS))
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
@@ -166,27 +174,39 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(a.threads)
     specs: dict[str, tuple[str, dict | None]] = {"no-spec": (a.target, None)} | configs(a)
     prompts = PROMPT_SETS[a.prompt_set](16)
-    rows = []
-    for name, (model, spec) in specs.items():
-        # The prompts the server gets at concurrency 1, in the same order.
-        offline_ms = _offline_tpot_ms(model, spec, [prompts[i % len(prompts)] for i in
+    concurrencies = [int(x) for x in a.concurrency.split(",")]
+    # Offline references first, while no server runs.
+    offline = {name: _offline_tpot_ms(model, spec, [prompts[i % len(prompts)] for i in
                                                     range(a.requests_per_client)],
                                       a.max_tokens, a.dtype)
-        port = _free_port()
-        proc = _start_server(model, spec, port, a.threads, a.dtype)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            asyncio.run(_load(url, prompts, 1, 1, 8))                 # warm-up
-            for c in [int(x) for x in a.concurrency.split(",")]:
-                row = asyncio.run(_load(url, prompts, c, c * a.requests_per_client,
-                                        a.max_tokens))
-                row["config"] = name
-                row["offline_ms_per_token"] = offline_ms if c == 1 else None
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        finally:
+               for name, (model, spec) in specs.items()}
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    runs: dict[tuple[str, int], list] = {(n, c): [] for n in specs for c in concurrencies}
+    try:
+        for name, (model, spec) in specs.items():
+            port = _free_port()
+            servers[name] = (_start_server(model, spec, port, a.threads, a.dtype),
+                             f"http://127.0.0.1:{port}")
+            asyncio.run(_load(servers[name][1], prompts, 1, 1, 8))          # warm-up
+        # Every server stays up; rounds interleave the configurations (rotating their order),
+        # so drift of the machine's speed hits all of them alike.
+        names = list(specs)
+        for r in range(a.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for c in concurrencies:
+                for name in order:
+                    runs[(name, c)].append(asyncio.run(_load(
+                        servers[name][1], prompts, c, c * a.requests_per_client, a.max_tokens)))
+    finally:
+        for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=30)
+    rows = []
+    for (name, c), rs in runs.items():
+        row = _summary(c, rs) | {"config": name,
+                                 "offline_ms_per_token": offline[name] if c == 1 else None}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["config"] == "no-spec"}
     out = Path(a.results)
     png = out.parent / f"serve-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.png"
@@ -200,7 +220,8 @@ def main(argv: list[str]) -> None:
              f"K={a.num_speculative_tokens}, greedy, extra speculative_config "
              f"{a.spec_extra or 'none'}, {a.prompt_set} prompts, "
              f"{a.max_tokens} tokens per request, closed loop, {a.requests_per_client} requests "
-             f"per client; plot: {png.name}", "",
+             f"per client, {a.rounds} interleaved rounds (median throughput); plot: {png.name}",
+             "",
              "| config | concurrency | output tok/s | vs no-spec | TTFT p50/p90/p99 ms | "
              "TPOT p50/p90/p99 ms | offline TPOT ms | errors |",
              "|---|---:|---:|---:|---|---|---:|---:|"]

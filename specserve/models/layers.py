@@ -204,7 +204,8 @@ def use_decode_linears(model: nn.Module) -> nn.Module:
 
 def _onednn_linear_available() -> bool:
     try:
-        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._linear_pointwise is not None
+        op = torch.ops.mkldnn._linear_pointwise
+        return torch.backends.mkldnn.is_available() and op is not None
     except (AttributeError, RuntimeError):
         return False
 
