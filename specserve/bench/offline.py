@@ -31,6 +31,7 @@ class Result:
     tau: float | None = None
     acceptance_rate: float | None = None
     per_pos: list[float] | None = None
+    same_output: str | None = None      # prompts whose greedy tokens equal no-spec's, "7/8"
 
     @property
     def median(self) -> float:
@@ -66,11 +67,12 @@ class SpecserveRunner:
                        max_num_seqs=16, max_num_batched_tokens=2048)
         self.spec = spec
 
-    def run(self, prompts: list[str], max_tokens: int) -> int:
+    def run(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
+        """Greedy output token ids of each prompt."""
         from specserve import SamplingParams
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
-        return sum(len(o.outputs[0].token_ids) for o in outs)
+        return [o.outputs[0].token_ids for o in outs]
 
     def acceptance(self) -> tuple[float, float, list[float]] | None:
         if self.spec is None:
@@ -98,15 +100,15 @@ class TransformersRunner:
             self.kw["prompt_lookup_num_tokens"] = prompt_lookup
 
     @torch.inference_mode()
-    def run(self, prompts: list[str], max_tokens: int) -> int:
-        n = 0
+    def run(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
+        outs = []
         for p in prompts:
             ids = torch.tensor([self.tok(p)["input_ids"]])
             out = self.model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                       do_sample=False, pad_token_id=self.tok.eos_token_id,
                                       **self.kw)
-            n += out.shape[1] - ids.shape[1]
-        return n
+            outs.append(out[0, ids.shape[1]:].tolist())
+        return outs
 
     def acceptance(self):
         return None
@@ -114,7 +116,10 @@ class TransformersRunner:
 
 def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: int
               ) -> list[Result]:
+    """Runs every runner on every prompt group per round; the first runner is the reference
+    whose greedy outputs the others are compared with."""
     results = {r.name: Result(r.name) for r in runners}
+    outputs: dict[str, list[list[int]]] = {}
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     for r in runners:                                   # warm-up
         r.run(prompts[:1], 8)
@@ -124,8 +129,12 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
             if isinstance(r, TransformersRunner) and batch > 1:
                 continue
             t = time.perf_counter()
-            n = sum(r.run(g, max_tokens) for g in groups)
+            outputs[r.name] = [ids for g in groups for ids in r.run(g, max_tokens)]
+            n = sum(len(ids) for ids in outputs[r.name])
             results[r.name].tokens_per_s.append(n / (time.perf_counter() - t))
+    ref = outputs[runners[0].name]
+    for name, outs in outputs.items():
+        results[name].same_output = f"{sum(a == b for a, b in zip(outs, ref))}/{len(ref)}"
     for r in runners:
         acc = r.acceptance()
         if acc:
@@ -136,12 +145,14 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
 def _table(results: list[Result], base: str) -> str:
     ref = next(r.median for r in results if r.name == base)
     rows = ["| configuration | tokens/s (median) | speedup vs no-spec | tau | acceptance rate "
-            "| per-position acceptance |", "|---|---:|---:|---:|---:|---|"]
+            "| per-position acceptance | greedy output = no-spec |",
+            "|---|---:|---:|---:|---:|---|---:|"]
     for r in results:
         pp = "" if r.per_pos is None else ", ".join(f"{x:.2f}" for x in r.per_pos)
         rows.append(f"| {r.name} | {r.median:.1f} | {r.median / ref:.2f}x | "
                     f"{'' if r.tau is None else f'{r.tau:.2f}'} | "
-                    f"{'' if r.acceptance_rate is None else f'{r.acceptance_rate:.1%}'} | {pp} |")
+                    f"{'' if r.acceptance_rate is None else f'{r.acceptance_rate:.1%}'} | {pp} | "
+                    f"{r.same_output or ''} |")
     return "\n".join(rows)
 
 
