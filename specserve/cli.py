@@ -11,8 +11,7 @@ import json
 import sys
 import time
 
-from specserve.config import ModelConfig, SchedulerConfig, load_json_or_yaml_arg
-from specserve.train.heads import HEAD_METHODS
+from specserve.config import HEAD_METHODS, ModelConfig, SchedulerConfig, load_json_or_yaml_arg
 
 
 def _arg_type(f: dataclasses.Field):

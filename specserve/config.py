@@ -98,7 +98,8 @@ def load_json_or_yaml_arg(value: str | None) -> dict | None:
     return data
 
 
-METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")    # read target hidden states
+METHODS = ("ngram", "suffix", "draft_model", *HEAD_METHODS)
 REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
 

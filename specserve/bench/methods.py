@@ -7,9 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
-from specserve.train.heads import HEAD_METHODS, head_dir
-
-METHODS = ("ngram", "suffix", "draft_model", *HEAD_METHODS)
+from specserve.config import HEAD_METHODS, METHODS
+from specserve.train.heads import head_dir
 
 
 def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict]:

@@ -167,10 +167,11 @@ class MLP(nn.Module):
 class DecodeLinear(nn.Module):
     """Inference-only float32 CPU linear over a oneDNN-packed copy of its weight.
 
-    MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding: on the project's
-    2-core EPYC, cycling 75 MB of weights, 1/5/16 rows take 5.7/6.9/8.0 ms with F.linear and
-    3.5/3.7/3.8 ms with a weight packed once for oneDNN, so verifying k drafts costs about what
-    one decode token does. The price is a second copy of the weights.
+    MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding, and a verify step
+    of 1+k rows cost well over a one-row decode step; with the weight packed once for oneDNN the
+    row count barely matters (`specserve bench latency`, runs 3 and 4 in benchmarks/RESULTS.md:
+    suffix went from 1.95x to 2.55x, draft_model from 0.99x to 1.12x). The price is a second
+    copy of the weights.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -190,8 +191,7 @@ class DecodeLinear(nn.Module):
 def use_decode_linears(model: nn.Module) -> nn.Module:
     """Swap every nn.Linear of a float32 CPU inference model for a DecodeLinear (in place).
 
-    Other cases keep nn.Linear: CUDA has cuBLAS, and CPU bfloat16 already runs on oneDNN
-    (packing the weight gains nothing there: 8192x384, 5 rows, 208 vs 207 us)."""
+    Other cases keep nn.Linear: CUDA has cuBLAS, and CPU bfloat16 already runs on oneDNN."""
     w = next(model.parameters())
     if w.device.type != "cpu" or w.dtype != torch.float32 or not _onednn_linear_available():
         return model

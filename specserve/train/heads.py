@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from specserve.config import HEAD_METHODS
 from specserve.models.heads import Eagle3Head, EagleHead, MedusaHeads, MLPSpeculator, MTPLayer
 from specserve.models.llama import LlamaArgs
 from specserve.models.loader import load_model
@@ -36,7 +37,6 @@ from specserve.train.corpus import Corpus
 from specserve.train.lm import _setup, prepare_data
 from specserve.train.trainer import TrainConfig, _positions, train
 
-HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 MLP_INNER_DIM = 256         # MLP speculator state width: its two vocab matrices dominate its size
 EAGLE3_TRAIN_STEPS = 3      # unrolled draft steps per training position (training-time test)
 
