@@ -167,20 +167,25 @@ class MLP(nn.Module):
 class DecodeLinear(nn.Module):
     """Inference-only float32 CPU linear over a oneDNN-packed copy of its weight.
 
-    MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding, and a verify step
-    of 1+k rows cost well over a one-row decode step; with the weight packed once for oneDNN the
-    row count barely matters (`specserve bench latency`, runs 3 and 4 in benchmarks/RESULTS.md:
-    suffix went from 1.95x to 2.55x, draft_model from 0.99x to 1.12x). The price is a second
-    copy of the weights.
+    MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding: a verify step
+    of 1+k rows cost well over a one-row decode step. oneDNN with the weight reordered once
+    for a multi-row layout keeps the cost nearly flat from 1 to 16 rows and also halves
+    prefill time (`specserve bench latency`, runs 3, 4 and 7 in benchmarks/RESULTS.md). The
+    price is a second copy of the weights.
     """
+
+    PACK_ROWS = 16
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight                  # same Parameter: ties stay tied
         self.bias = linear.bias
-        # An opaque oneDNN tensor: a plain attribute, since module.to() cannot move it.
-        self.packed = linear.weight.detach().to_mkldnn()
+        # An opaque oneDNN tensor: a plain attribute, since module.to() cannot move it. The
+        # layout is chosen for PACK_ROWS-row inputs; any hint > 1 gives the fast few-row
+        # kernels (a plain to_mkldnn() copy runs 5 rows at 2x the cost of one).
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
+                                                              self.PACK_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed,
@@ -204,8 +209,8 @@ def use_decode_linears(model: nn.Module) -> nn.Module:
 
 def _onednn_linear_available() -> bool:
     try:
-        op = torch.ops.mkldnn._linear_pointwise
-        return torch.backends.mkldnn.is_available() and op is not None
+        ops = (torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight)
+        return torch.backends.mkldnn.is_available() and all(op is not None for op in ops)
     except (AttributeError, RuntimeError):
         return False
 
