@@ -108,9 +108,10 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = TrainConfig(**dataclass_kwargs(args, TrainConfig))
     shape = ModelShape(**dataclass_kwargs(args, ModelShape))
     if args.kind in HEAD_METHODS:
-        from specserve.train.heads import train_head
+        from specserve.train.heads import GeneratedData, train_head
         result = train_head(args.kind, cfg, Path(args.target), Path(args.out),
-                            k=args.num_speculative_tokens, num_generated=args.num_generated,
+                            k=args.num_speculative_tokens,
+                            gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)),
                             draft_vocab=args.draft_vocab_size)
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
@@ -143,6 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specserve.train.heads import GeneratedData
     from specserve.train.lm import ModelShape
     from specserve.train.trainer import TrainConfig
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
@@ -180,14 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="heads: tokens the head drafts (Medusa heads, MLP stages; tau is "
                         "measured at this K)")
-    t.add_argument("--num-generated", type=int, default=64,
-                   help="heads: target-generated continuations added to the training text")
     t.add_argument("--draft-vocab-size", type=int, default=None,
                    help="eagle3: keep only this many most frequent target tokens in the head's "
                         "lm_head (default: the whole vocabulary)")
     t.add_argument("--vocab-size", type=int, default=8192, help="lm: BPE vocabulary size")
     add_dataclass_args(t, TrainConfig, skip=("work_dir",))
     add_dataclass_args(t, ModelShape)
+    add_dataclass_args(t.add_argument_group("heads: target-generated training text"),
+                       GeneratedData)
     t.set_defaults(func=cmd_train)
 
     z = sub.add_parser("zoo", help="rebuild (build) or measure (eval) the bundled model zoo")

@@ -137,6 +137,9 @@ class SpeculativeConfig:
         "help": "no speculation while this many requests or more are running"})
     num_speculative_tokens_per_batch_size: list | None = field(default=None, metadata={
         "help": "[[start, end, K], ...]: K by number of running requests (inclusive ranges)"})
+    adaptive_k: bool = field(default=False, metadata={
+        "help": "choose K per step (0..num_speculative_tokens) for the most tokens/s, from "
+                "measured acceptance and step times at the current batch size"})
 
     @classmethod
     def from_dict(cls, data: dict) -> SpeculativeConfig:
@@ -228,6 +231,8 @@ class SpeculativeConfig:
                              f"{self.disable_by_batch_size!r}")
         if self.num_speculative_tokens_per_batch_size is not None:
             _check_schedule(self.num_speculative_tokens_per_batch_size)
+        if not isinstance(self.adaptive_k, bool):
+            raise ValueError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
 
     def k_for_batch_size(self, batch_size: int) -> int:
         """Draft tokens per request when `batch_size` requests are running."""

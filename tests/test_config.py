@@ -48,6 +48,8 @@ from specserve.config import SpeculativeConfig, load_json_or_yaml_arg
      "'temperature' is a sampling parameter"),
     ({"method": "ngram", "num_speculative_tokens": 2, "top_p": 0.5},
      "'top_p' is a sampling parameter"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_k": "yes"},
+     "adaptive_k must be true or false, got 'yes'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
      "unknown speculative_config key 'lookahead'; valid keys: method, model"),
 ])

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from specserve.config import EngineConfig, resolve_device, resolve_dtype
+from specserve.engine.adaptive_k import AdaptiveK
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
@@ -83,6 +84,8 @@ class LLMEngine:
             self.runner.aux_layers = tuple(getattr(self.proposer, "aux_hidden_layers", ()))
         self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec else 0
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens)
+        self.adaptive_k = (AdaptiveK(self.num_spec_tokens)
+                           if self.spec is not None and self.spec.adaptive_k else None)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._start = time.monotonic()
@@ -137,9 +140,13 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that made progress."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        # K of this step's drafts (their budget), for the adaptive-K timing
+        step_k = max((b.request.spec_budget for b in batch), default=0)
+        decode_only = all(b.num_new_tokens == 1 + b.num_spec_tokens for b in batch)
         out = self.runner.execute(batch)
         sampled = [b for b in batch if b.num_sample_rows]
         if sampled:
@@ -164,7 +171,13 @@ class LLMEngine:
                 self.requests.pop(b.request.request_id, None)
                 self._finish(b.request)
         if self.proposer is not None:
-            self._propose(batch, out)
+            t1 = time.perf_counter()
+            num_drafting, k = self._propose(batch, out)
+            if self.adaptive_k is not None and decode_only:
+                self.adaptive_k.observe("verify", len(batch), step_k, t1 - t0)
+                if num_drafting:
+                    self.adaptive_k.observe("propose", num_drafting, k,
+                                            time.perf_counter() - t1)
         self._maybe_log()
         return outputs
 
@@ -175,6 +188,8 @@ class LLMEngine:
         # KV was written for [last, d1..dk]; keep it for [last, d1..d_accepted] only.
         req.num_computed_tokens += b.num_new_tokens - (k - num_accepted)
         self.spec_stats.observe(k, num_accepted)
+        if self.adaptive_k is not None and k:
+            self.adaptive_k.observe_acceptance(k, num_accepted)
         req.spec_metrics.observe(k, num_accepted)
         req.spec_token_ids = []
         req.spec_token_probs = None
@@ -234,15 +249,24 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.finish(req)
 
-    def _propose(self, batch: list[ScheduledRequest], out: RunnerOutput) -> None:
-        k = self.spec.k_for_batch_size(len(self.scheduler.running))
+    def _propose(self, batch: list[ScheduledRequest], out: RunnerOutput) -> tuple[int, int]:
+        """Drafts for the requests that decode next step; returns (how many requests could
+        draft, K they were given)."""
+        num_running = len(self.scheduler.running)
+        k = self.spec.k_for_batch_size(num_running)
+        if self.adaptive_k is not None:
+            k = self.adaptive_k.choose(num_running, k)
         reqs, budgets = [], []
+        num_drafting = 0
         for b in batch:
             r = b.request
-            if k == 0 or r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
+            r.spec_budget = 0
+            if r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
                 continue
+            num_drafting += 1
             room = min(k, r.max_new_tokens - 1)
             if room > 0:
+                r.spec_budget = k
                 reqs.append(r)
                 budgets.append(room)
         proposals = self.proposer.propose(
@@ -251,6 +275,7 @@ class LLMEngine:
             assert len(prop.token_ids) <= room, "a proposer returned more drafts than allowed"
             r.spec_token_ids = list(prop.token_ids)
             r.spec_token_probs = prop.probs
+        return num_drafting, k
 
     def _maybe_log(self) -> None:
         interval = self.config.log_stats_interval_s

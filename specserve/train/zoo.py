@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specserve.train.heads import head_dir, train_head
+from specserve.train.heads import GeneratedData, head_dir, train_head
 from specserve.train.lm import ModelShape, train_draft, train_lm
 from specserve.train.trainer import TrainConfig
 
@@ -66,7 +66,7 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
     for method, (_, _, extra) in HEAD_RECIPES.items():
         out = Path(head_dir(out_dir / "code-target", method))
         result = train_head(method, head_config(work_dir, method, **kw), out_dir / "code-target",
-                            out, num_generated=128, **extra)
+                            out, gen=GeneratedData(num_generated=128), **extra)
         if not result:
             return
         print(f"{out.name}: tau {result['tau']:.2f} at K=4", flush=True)

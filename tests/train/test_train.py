@@ -135,12 +135,13 @@ def test_bundled_heads_speculate_losslessly(method):
 def test_head_training_smoke(method, draft_vocab, tiny_lm, small_corpus, tmp_path):
     """Seconds of training lower the loss, write the public format, and the head loads and
     speculates losslessly with a measured tau."""
-    from specserve.train.heads import train_head
+    from specserve.train.heads import GeneratedData, train_head
     target, _, _ = tiny_lm
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=25, batch_size=4, seq_len=64, lr=3e-3,
                       warmup=2, eval_every=25, bf16=False, device="cpu")
-    result = train_head(method, cfg, target, tmp_path / f"tiny-{method}", k=3, num_generated=2,
-                        generated_len=16, corpus=small_corpus, draft_vocab=draft_vocab)
+    result = train_head(method, cfg, target, tmp_path / f"tiny-{method}", k=3,
+                        gen=GeneratedData(num_generated=2, generated_len=16),
+                        corpus=small_corpus, draft_vocab=draft_vocab)
     if draft_vocab:
         from safetensors.torch import load_file
         d2t = load_file(str(tmp_path / f"tiny-{method}" / "model.safetensors"))["d2t"]
