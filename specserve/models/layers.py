@@ -111,13 +111,17 @@ class Attention(nn.Module):
                 md: AttentionMetadata | None, cache: tuple[torch.Tensor, torch.Tensor] | None
                 ) -> torch.Tensor:
         lead = x.shape[:-1]                                      # [T] or [B, S]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(*lead, self.num_heads, self.head_dim)
-        k = k.view(*lead, self.num_kv_heads, self.head_dim)
-        v = v.view(*lead, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[..., self.q_size + self.kv_size:].view(*lead, Hkv, D)
+        if self.q_norm is None:      # q and k are adjacent: rotate them in one pass
+            qk = apply_rotary(qkv[..., :self.q_size + self.kv_size].view(*lead, H + Hkv, D),
+                              cos_sin)
+            q, k = qk[..., :H, :], qk[..., H:, :]
+        else:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(self.q_norm(q.view(*lead, H, D)), cos_sin)
+            k = apply_rotary(self.k_norm(k.view(*lead, Hkv, D)), cos_sin)
         if md is None:                                           # training: dense causal
             o = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

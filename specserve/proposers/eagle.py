@@ -6,6 +6,10 @@ target has verified since: (target hidden at p, token p+1). Its output at the la
 position drafts the first token; each further draft feeds (head output, last draft) at the next
 position. Positions written while drafting are overwritten by the next step's target pairs, so
 rollback is just the count of verified positions, as for the target.
+
+While no request drafts (K = 0 by `disable_by_batch_size` or `adaptive_k`), ingestion waits:
+the target features of each step are kept per request and fed in one pass when drafting
+resumes, or once a request has `MAX_PENDING` of them (bounding the memory they hold).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from specserve.proposers.base import Proposal, ProposeBatch
 
 
 class HeadProposer:
+    MAX_PENDING = 64        # positions of target features a request may hold back
+
     def __init__(self, config: SpeculativeConfig, engine) -> None:
         self.method = config.method
         self.head = load_head(config.method, config.model or engine.config.model_config.model,
@@ -35,6 +41,8 @@ class HeadProposer:
         self.device = engine.device
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs
+        # request id -> target feature rows [n, F] for the positions after num_verified
+        self.pending: dict[str, list[torch.Tensor]] = {}
 
     def _run(self, reqs, token_lists, h: torch.Tensor, starts: list[int]) -> torch.Tensor:
         ids, positions, md = ragged_inputs(token_lists, starts, [r.slot for r in reqs],
@@ -44,22 +52,30 @@ class HeadProposer:
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
         out = batch.runner_output
-        feats = out.aux_hidden if self.aux_hidden_layers else out.hidden
+        feats = out.aux_hidden if self.aux_hidden_layers else out.hidden    # [T, F]
         reqs, tokens, rows, starts = [], [], [], []
         for i, r in enumerate(batch.step_requests):
             if r.is_finished:
                 continue
-            start = self.num_verified.get(r.request_id, 0)
-            assert start == out.starts[i], "the head saw every step of this request"
+            rid = r.request_id
+            start = self.num_verified.get(rid, 0)
+            held = self.pending.setdefault(rid, [])
+            assert start + sum(len(x) for x in held) == out.starts[i], \
+                "the head saw every step of this request"
             lo, hi = out.rows(i, r.num_computed_tokens)
+            held.append(feats[lo:hi])
+            if not batch.requests and r.num_computed_tokens - start < self.MAX_PENDING:
+                held[-1] = held[-1].clone()          # outlives this step's feature tensor
+                continue
             reqs.append(r)
             tokens.append(r.all_token_ids[start + 1:r.num_computed_tokens + 1])
-            rows.append(torch.arange(lo, hi))
+            rows.append(held[0] if len(held) == 1 else torch.cat(held))
             starts.append(start)
-            self.num_verified[r.request_id] = r.num_computed_tokens
+            self.num_verified[rid] = r.num_computed_tokens
+            del self.pending[rid]
         if not reqs:
             return []
-        h = self.head.fuse_target(feats[torch.cat(rows).to(self.device)])   # [T, H]
+        h = self.head.fuse_target(torch.cat(rows))                            # [T, H]
         head_out = self._run(reqs, tokens, h, starts)
         ends = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
         last = {id(r): head_out[e] for r, e in zip(reqs, ends.tolist())}
@@ -85,3 +101,4 @@ class HeadProposer:
 
     def finish(self, request) -> None:
         self.num_verified.pop(request.request_id, None)
+        self.pending.pop(request.request_id, None)

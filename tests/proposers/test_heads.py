@@ -160,6 +160,38 @@ def test_head_methods_are_lossless(name, heads, llama_dir):
     assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
 
 
+def test_heads_catch_up_after_speculation_was_off(heads, llama_dir, monkeypatch):
+    """While too many requests run, K = 0 and the head holds back the target features; when
+    speculation resumes it ingests them in one pass (or every MAX_PENDING positions). The
+    head's cache must end up as if it had ingested every step: same drafts, same acceptance."""
+    from specserve.proposers.eagle import HeadProposer
+    ps = _prompts(6, seed=12)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True)
+              for i in range(6)]
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device="cpu").generate(
+        ps, params, use_tqdm=False)]
+    drafts = {}
+    for max_pending in (1, 4, 64):          # 1: ingest every step, as without deferral
+        monkeypatch.setattr(HeadProposer, "MAX_PENDING", max_pending)
+        llm = LLM(str(llama_dir), device="cpu", speculative_config={
+            "model": str(heads["eagle3"][1]), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 3})
+        proposer, record = llm.engine.proposer, []
+
+        def recording(batch, propose=proposer.propose, record=record):
+            out = propose(batch)
+            record.extend(p.token_ids for p in out)
+            return out
+        proposer.propose = recording
+        got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+        assert got == ref
+        assert llm.get_metrics()["spec_decode_num_drafts"] > 0   # the last two requests drafted
+        assert not proposer.pending                               # nothing left behind
+        drafts[max_pending] = record
+    assert len(drafts[1]) > 10
+    assert drafts[4] == drafts[1] and drafts[64] == drafts[1]
+
+
 def test_mtp_is_lossless_and_loads_from_the_target(tmp_path, llama_dir):
     target = mtp_target(tmp_path / "mtp")
     ps = _prompts(4, seed=8)
