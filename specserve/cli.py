@@ -101,6 +101,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from pathlib import Path
 
+    from specserve.train.generated import GeneratedData
     from specserve.train.lm import ModelShape, train_draft, train_lm
     from specserve.train.trainer import TrainConfig
     if args.work_dir is None:
@@ -108,7 +109,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = TrainConfig(**dataclass_kwargs(args, TrainConfig))
     shape = ModelShape(**dataclass_kwargs(args, ModelShape))
     if args.kind in HEAD_METHODS:
-        from specserve.train.heads import GeneratedData, train_head
+        from specserve.train.heads import train_head
         result = train_head(args.kind, cfg, Path(args.target), Path(args.out),
                             k=args.num_speculative_tokens,
                             gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)),
@@ -118,7 +119,8 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.kind == "lm":
         bpb = train_lm(cfg, shape, Path(args.out), vocab_size=args.vocab_size)
     else:
-        bpb = train_draft(cfg, shape, Path(args.target), Path(args.out))
+        bpb = train_draft(cfg, shape, Path(args.target), Path(args.out),
+                          gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)))
     if bpb != bpb:
         print(f"stopped on the time limit; run the same command again to resume "
               f"(checkpoint in {cfg.work_dir})")
@@ -144,7 +146,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specserve.train.heads import GeneratedData
+    from specserve.train.generated import GeneratedData
     from specserve.train.lm import ModelShape
     from specserve.train.trainer import TrainConfig
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
@@ -188,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, default=8192, help="lm: BPE vocabulary size")
     add_dataclass_args(t, TrainConfig, skip=("work_dir",))
     add_dataclass_args(t, ModelShape)
-    add_dataclass_args(t.add_argument_group("heads: target-generated training text"),
+    add_dataclass_args(t.add_argument_group("draft and heads: target-generated training text"),
                        GeneratedData)
     t.set_defaults(func=cmd_train)
 

@@ -18,10 +18,8 @@ prompts.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,37 +29,22 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import HEAD_METHODS
-from specserve.models.heads import Eagle3Head, EagleHead, MedusaHeads, MLPSpeculator, MTPLayer
+from specserve.models.heads import (
+    Eagle3Head,
+    EagleHead,
+    MedusaHeads,
+    MLPSpeculator,
+    MTPLayer,
+)
 from specserve.models.llama import LlamaArgs
 from specserve.models.loader import load_model
-from specserve.train.bpe import EOS
 from specserve.train.corpus import Corpus
+from specserve.train.generated import GeneratedData, fit_prompts, with_generated
 from specserve.train.lm import _setup, prepare_data
 from specserve.train.trainer import TrainConfig, _positions, train
 
 MLP_INNER_DIM = 256         # MLP speculator state width: its two vocab matrices dominate its size
 EAGLE3_TRAIN_STEPS = 3      # unrolled draft steps per training position (training-time test)
-
-
-@dataclass
-class GeneratedData:
-    """The target-generated share of a head's training text."""
-    num_generated: int = field(default=64, metadata={
-        "help": "continuations the target writes from openings of training files"})
-    generated_len: int = field(default=256, metadata={"help": "tokens per continuation"})
-    generated_temperature: float = field(default=0.7, metadata={
-        "help": "sampling temperature of the continuations (0 = greedy, the trajectories a "
-                "greedy server verifies)"})
-    generated_share: float = field(default=0.0, metadata={
-        "help": "share of training tokens drawn from the continuations (repeated to reach it); "
-                "0 appends them once"})
-
-    def __post_init__(self) -> None:
-        if self.num_generated < 0 or self.generated_len < 1 or self.generated_temperature < 0:
-            raise ValueError("num_generated must be >= 0, generated_len >= 1 and "
-                             "generated_temperature >= 0")
-        if not 0 <= self.generated_share < 1:
-            raise ValueError(f"generated_share must be in [0, 1), got {self.generated_share}")
 
 
 def head_dir(target: str | Path, method: str) -> str:
@@ -167,41 +150,6 @@ def head_loss(method: str, head: nn.Module, target):
     return fn
 
 
-def fit_prompts(llm, prompts: list[str], max_tokens: int) -> list:
-    """Token prompts that leave room for `max_tokens` in the model's context (cut from the left)."""
-    from specserve import TokensPrompt
-    room = max(1, llm.engine.max_model_len - max_tokens - 1)
-    return [TokensPrompt(prompt_token_ids=llm.get_tokenizer().encode(p)[-room:]) for p in prompts]
-
-
-def generated_tokens(target_dir: Path, corpus: Corpus, num: int, length: int, seed: int,
-                     temperature: float = 0.7) -> np.ndarray:
-    """Continuations the target writes from held-in corpus openings, prompt included."""
-    if num <= 0:
-        return np.zeros(0, dtype=np.int64)
-    from specserve import LLM, SamplingParams
-    from specserve.train.corpus import read_text
-    llm = LLM(str(target_dir), device="cpu", seed=seed)
-    tok = llm.get_tokenizer()
-    rng = np.random.default_rng(seed)
-    openings = []
-    for i in rng.permutation(len(corpus.train_files)):    # empty files (bare __init__.py) skipped
-        text = read_text(corpus.train_files[i])[:400]
-        if text.strip():
-            openings.append(text)
-        if len(openings) == num:
-            break
-    prompts = fit_prompts(llm, openings, length)
-    outs = llm.generate(prompts, SamplingParams(temperature=temperature, seed=seed, max_tokens=length,
-                                                 ignore_eos=True), use_tqdm=True)
-    eos = tok.token_to_id(EOS)
-    ids: list[int] = []
-    for o in outs:
-        ids += o.prompt_token_ids + o.outputs[0].token_ids + [eos]
-    return np.asarray(ids, dtype=np.int64)
-
-
-# ---- writing the public formats -------------------------------------------------------------
 def _fp(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
             for k, v in tensors.items()}
@@ -316,15 +264,6 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
             "per_position": [a / d for a in m["spec_decode_num_accepted_tokens_per_pos"]]}
 
 
-def mix_generated(train_ids: np.ndarray, generated: np.ndarray, share: float) -> np.ndarray:
-    """Corpus tokens followed by the generated ones, repeated until they make up about `share`
-    of the whole (appended once when share is 0)."""
-    reps = 1
-    if share > 0 and len(generated):
-        reps = max(1, math.ceil(share * len(train_ids) / ((1 - share) * len(generated))))
-    return np.concatenate([train_ids.astype(np.int64)] + [generated] * reps)
-
-
 def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: int = 4,
                gen: GeneratedData | None = None, corpus: Corpus | None = None,
                draft_vocab: int | None = None) -> dict:
@@ -337,15 +276,7 @@ def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: in
     for p in target.parameters():
         p.requires_grad_(False)
     train_ids, _, _ = prepare_data(target_dir, work, corpus, 0)
-    gen = gen or GeneratedData()
-    # The cache is named by its settings: a resumed run with other settings regenerates.
-    gen_cache = work / (f"generated-{gen.num_generated}x{gen.generated_len}"
-                        f"-t{gen.generated_temperature:g}.npy")
-    if not gen_cache.is_file():
-        np.save(gen_cache, generated_tokens(target_dir, corpus, gen.num_generated,
-                                            gen.generated_len, cfg.seed,
-                                            gen.generated_temperature))
-    ids = mix_generated(train_ids, np.load(gen_cache), gen.generated_share)
+    ids = with_generated(train_ids, gen or GeneratedData(), target_dir, corpus, work, cfg.seed)
     counts = np.bincount(ids, minlength=target.args.vocab_size)
     head = build_head(method, target, k, draft_vocab, counts).to(device)
     print(f"{method} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "

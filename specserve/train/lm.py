@@ -21,6 +21,7 @@ from specserve.models.llama import LlamaArgs, LlamaForCausalLM
 from specserve.models.loader import load_model, save_model
 from specserve.train.bpe import EOS, save_tokenizer, train_bpe
 from specserve.train.corpus import Corpus, encode_files
+from specserve.train.generated import GeneratedData, with_generated
 from specserve.train.trainer import TrainConfig, evaluate_bpb, lm_loss, train
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -133,14 +134,18 @@ def train_lm(cfg: TrainConfig, shape: ModelShape, out: Path, vocab_size: int = 8
 
 
 def train_draft(cfg: TrainConfig, shape: ModelShape, target_dir: Path, out: Path,
-                corpus: Corpus | None = None) -> float:
-    """Distil a small draft from `target_dir` (KL to the target on corpus text)."""
+                corpus: Corpus | None = None, gen: GeneratedData | None = None) -> float:
+    """Distil a small draft from `target_dir`: KL to the target on corpus text, plus text the
+    target generates when `gen` asks for it (none by default)."""
     device = _setup(cfg)
     work = Path(cfg.work_dir)
     teacher = load_model(target_dir, torch.float32, device)
     for p in teacher.parameters():
         p.requires_grad_(False)
-    train_ids, val_ids, val_bytes = prepare_data(target_dir, work, corpus or Corpus.stdlib(), 0)
+    corpus = corpus or Corpus.stdlib()
+    train_ids, val_ids, val_bytes = prepare_data(target_dir, work, corpus, 0)
+    if gen is not None and gen.num_generated > 0:
+        train_ids = with_generated(train_ids, gen, target_dir, corpus, work, cfg.seed)
     model = LlamaForCausalLM(shape.args(teacher.args.vocab_size))
     init_weights(model, cfg.seed)
     print(f"draft: {model.num_parameters() / 1e6:.2f}M parameters; target "

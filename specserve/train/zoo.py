@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specserve.train.heads import GeneratedData, head_dir, train_head
+from specserve.train.generated import GeneratedData
+from specserve.train.heads import head_dir, train_head
 from specserve.train.lm import ModelShape, train_draft, train_lm
 from specserve.train.trainer import TrainConfig
 

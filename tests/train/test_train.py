@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.train.bpe import train_bpe
 from specserve.train.corpus import Corpus, read_text
+from specserve.train.generated import GeneratedData, mix_generated
 from specserve.train.lm import ModelShape, train_draft, train_lm
 from specserve.train.trainer import TrainConfig
 
@@ -94,13 +96,27 @@ def test_draft_distillation_lowers_kl(small_corpus, tiny_lm, tmp_path):
                        intermediate_size=64, tie_embeddings=True, max_position_embeddings=128)
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=30, batch_size=4, seq_len=64, lr=3e-3,
                       warmup=3, eval_every=30, bf16=False, device="cpu")
-    train_draft(cfg, shape, target, tmp_path / "draft", corpus=small_corpus)
+    gen = GeneratedData(num_generated=3, generated_len=12, generated_temperature=0,
+                        generated_share=0.2)
+    train_draft(cfg, shape, target, tmp_path / "draft", corpus=small_corpus, gen=gen)
+    greedy = np.load(tmp_path / "w" / "generated-3x12-t0.npy")
+    assert len(greedy) > 3 * 12
     log = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["kl"] < log[0]["kl"] * 0.7
     llm = LLM(str(target), device="cpu", speculative_config={
         "model": str(tmp_path / "draft"), "num_speculative_tokens": 2})
     llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert llm.get_metrics()["spec_decode_num_drafts"] > 0
+
+
+def test_generated_share_of_the_training_text():
+    corpus, gen = np.arange(900), np.arange(1000, 1010)
+    assert len(mix_generated(corpus, gen, 0.0)) == 910                  # appended once
+    mixed = mix_generated(corpus, gen, 0.25)
+    share = (mixed >= 1000).mean()
+    assert 0.25 <= share < 0.26 and (mixed[:900] == corpus).all()
+    with pytest.raises(ValueError, match=r"generated_share must be in \[0, 1\)"):
+        GeneratedData(generated_share=1.0)
 
 
 @pytest.mark.parametrize("name", ["code-target", "code-draft"])
@@ -135,7 +151,7 @@ def test_bundled_heads_speculate_losslessly(method):
 def test_head_training_smoke(method, draft_vocab, tiny_lm, small_corpus, tmp_path):
     """Seconds of training lower the loss, write the public format, and the head loads and
     speculates losslessly with a measured tau."""
-    from specserve.train.heads import GeneratedData, train_head
+    from specserve.train.heads import train_head
     target, _, _ = tiny_lm
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=25, batch_size=4, seq_len=64, lr=3e-3,
                       warmup=2, eval_every=25, bf16=False, device="cpu")
