@@ -32,6 +32,7 @@ class Result:
     acceptance_rate: float | None = None
     per_pos: list[float] | None = None
     same_output: str | None = None      # prompts whose greedy tokens equal no-spec's, "7/8"
+    mean_k: float | None = None         # adaptive_k: mean K over decode steps
 
     @property
     def median(self) -> float:
@@ -139,6 +140,9 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
         acc = r.acceptance()
         if acc:
             results[r.name].tau, results[r.name].acceptance_rate, results[r.name].per_pos = acc
+        choices = r.llm.get_metrics().get("adaptive_k_choices") if hasattr(r, "llm") else None
+        if choices:
+            results[r.name].mean_k = sum(k * n for k, n in choices.items()) / sum(choices.values())
     return [res for res in results.values() if res.tokens_per_s]
 
 
@@ -149,7 +153,8 @@ def _table(results: list[Result], base: str) -> str:
             "|---|---:|---:|---:|---:|---|---:|"]
     for r in results:
         pp = "" if r.per_pos is None else ", ".join(f"{x:.2f}" for x in r.per_pos)
-        rows.append(f"| {r.name} | {r.median:.1f} | {r.median / ref:.2f}x | "
+        name = r.name if r.mean_k is None else f"{r.name}, adaptive: mean K {r.mean_k:.1f}"
+        rows.append(f"| {name} | {r.median:.1f} | {r.median / ref:.2f}x | "
                     f"{'' if r.tau is None else f'{r.tau:.2f}'} | "
                     f"{'' if r.acceptance_rate is None else f'{r.acceptance_rate:.1%}'} | {pp} | "
                     f"{r.same_output or ''} |")

@@ -16,7 +16,7 @@ early sample can carry one-off costs). K = 0 is plain decoding.
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 
@@ -41,6 +41,7 @@ class AdaptiveK:
         self.accept_smoothing = accept_smoothing
         self.refresh_every = refresh_every
         self.choices: dict[int, int] = {}                       # bucket -> choices made
+        self.chosen: Counter[int] = Counter()                   # K -> times chosen
         # accept[j]: P(draft j+1 accepted | drafts 1..j accepted)
         self.accept = [prior_acceptance] * k_max
         # (phase, batch size, K) -> seconds; phases: the verify step, the propose after it
@@ -60,7 +61,11 @@ class AdaptiveK:
 
     def choose(self, batch_size: int, cap: int) -> int:
         """K for the next step of `batch_size` requests, at most `cap`."""
-        cap = min(cap, self.k_max)
+        k = self._choose(batch_size, min(cap, self.k_max))
+        self.chosen[k] += 1
+        return k
+
+    def _choose(self, batch_size: int, cap: int) -> int:
         if cap <= 0:
             return 0
         b = self.bucket(batch_size)

@@ -296,6 +296,9 @@ class LLMEngine:
                              req.is_finished, req.spec_metrics if self.spec else None, metrics)
 
     def get_metrics(self) -> dict:
-        return self.spec_stats.as_dict()
+        m = self.spec_stats.as_dict()
+        if self.adaptive_k is not None:
+            m["adaptive_k_choices"] = dict(sorted(self.adaptive_k.chosen.items()))  # K -> steps
+        return m
 
 
