@@ -3,7 +3,8 @@
 Stages (each resumes from its checkpoint in `<work>/`):
 1. byte-level BPE tokenizer (8192 tokens) on the stdlib training files;
 2. models/code-target: 22M-parameter Llama, 2600 steps x 8 x 512 tokens (about 1.25 epochs);
-3. models/code-draft: 2.4M-parameter Llama distilled from the target (KL on corpus text);
+3. models/code-draft: 2.4M-parameter Llama distilled from the target (KL): 1000 steps on corpus
+   text, then to 2000 steps with 30% target greedy continuations (`DRAFT_STAGES`);
 4. a head of every method for the target: models/code-target-{eagle,eagle3,medusa,
    mlp-speculator,mtp} (`HEAD_RECIPES`: corpus text plus text the target wrote itself).
 """
@@ -27,14 +28,19 @@ def target_config(work: Path, **kw) -> TrainConfig:
                        lr=1.5e-3, warmup=100, eval_every=500, ckpt_every=50, **kw)
 
 
-def draft_config(work: Path, **kw) -> TrainConfig:
-    return TrainConfig(work_dir=str(work / "code-draft"), steps=1000, batch_size=8, seq_len=512,
-                       lr=2e-3, warmup=50, eval_every=400, ckpt_every=50, **kw)
+def draft_config(work: Path, steps: int, **kw) -> TrainConfig:
+    return TrainConfig(work_dir=str(work / "code-draft"), steps=steps, batch_size=8,
+                       seq_len=512, lr=2e-3, warmup=50, eval_every=500, ckpt_every=50, **kw)
 
 
 SAMPLED = GeneratedData(num_generated=128)              # appended once, temperature 0.7
 # Greedy continuations, 30% of the training windows: a greedy server verifies these.
 GREEDY = GeneratedData(num_generated=1024, generated_temperature=0, generated_share=0.3)
+
+# (schedule length, generated text): the second stage resumes the first with a longer schedule.
+# It lifted the draft's tau at K=4 from 2.50 to 3.16 on completion prompts (val bits/byte
+# 1.596 -> 1.532).
+DRAFT_STAGES: list[tuple[int, GeneratedData | None]] = [(1000, None), (2000, GREEDY)]
 
 # method -> (batch size, extra train_head arguments, stages). Each stage is (schedule length,
 # generated text) and resumes the previous stage's checkpoint with the longer schedule (the
@@ -66,11 +72,12 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
     print(f"code-target: val bits/byte {bpb:.4f}", flush=True)
     if bpb != bpb:      # NaN: stopped on the time limit
         return
-    bpb = train_draft(draft_config(work_dir, **kw), DRAFT_SHAPE, out_dir / "code-target",
-                      out_dir / "code-draft")
-    print(f"code-draft: val bits/byte {bpb:.4f}", flush=True)
-    if bpb != bpb:
-        return
+    for steps, gen in DRAFT_STAGES:
+        bpb = train_draft(draft_config(work_dir, steps, **kw), DRAFT_SHAPE,
+                          out_dir / "code-target", out_dir / "code-draft", gen=gen)
+        print(f"code-draft ({steps} steps): val bits/byte {bpb:.4f}", flush=True)
+        if bpb != bpb:
+            return
     for method, (_, extra, stages) in HEAD_RECIPES.items():
         out = Path(head_dir(out_dir / "code-target", method))
         for steps, gen in stages:
