@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class _Timing:
-    samples: deque = field(default_factory=lambda: deque(maxlen=5))   # latest step times
+    samples: deque = field(default_factory=lambda: deque(maxlen=7))   # latest step times
     last: int = 0           # choice number (in its bucket) when last timed
 
     @property
@@ -36,8 +36,10 @@ class AdaptiveK:
     PHASES = ("verify", "propose")
 
     def __init__(self, k_max: int, accept_smoothing: float = 0.02,
-                 prior_acceptance: float = 0.6, refresh_every: int = 25) -> None:
+                 prior_acceptance: float = 0.6, refresh_every: int = 50,
+                 min_gain: float = 0.05) -> None:
         self.k_max = k_max
+        self.min_gain = min_gain
         self.accept_smoothing = accept_smoothing
         self.refresh_every = refresh_every
         self.choices: dict[int, int] = {}                       # bucket -> choices made
@@ -78,7 +80,12 @@ class AdaptiveK:
                     return k
         if n % self.refresh_every == 0:
             return min(explore_order, key=lambda k: self.timings[("verify", b, k)].last)
-        return max(explore_order, key=lambda k: self.expected_tokens(k) / self.step_seconds(b, k))
+        rate = {k: self.expected_tokens(k) / self.step_seconds(b, k) for k in explore_order}
+        best = max(range(1, cap + 1), key=rate.__getitem__)
+        # Speculate only for a clear gain: timings are noisy, and in a batch whose requests
+        # accept at different rates the slowest one sets the end, so a marginal per-step gain
+        # can be a loss overall.
+        return best if rate[best] > (1 + self.min_gain) * rate[0] else 0
 
     def step_seconds(self, bucket: int, k: int) -> float:
         return sum(self.timings[(p, bucket, k)].seconds for p in self.PHASES)

@@ -38,6 +38,9 @@ def test_picks_k_with_most_tokens_per_second():
     _timed(ak, 8, {0: 6.0, 1: 12.0, 2: 18.0, 3: 24.0, 4: 30.0}, propose_ms=1.0)
     assert ak.choose(8, cap=4) == 0
     assert ak.choose(6, cap=4) == 0            # same power-of-two bucket as 8
+    # Batch 2: K=1 would gain 2% per step (1.8 tokens for 1.765x the time): below min_gain (5%).
+    _timed(ak, 2, {0: 4.0, 1: 7.06, 2: 12.0, 3: 16.0, 4: 20.0}, propose_ms=0.0)
+    assert ak.expected_tokens(1) / 7.06 > 1.0 / 4.0 and ak.choose(2, cap=4) == 0
     # With hopeless drafts even cheap steps do not pay.
     for _ in range(400):
         ak.observe_acceptance(4, 0)
