@@ -172,11 +172,11 @@ class LLMEngine:
                 self._finish(b.request)
         if self.proposer is not None:
             t1 = time.perf_counter()
-            num_drafting, k = self._propose(batch, out)
+            num_decoding, k = self._propose(batch, out)
             if self.adaptive_k is not None and decode_only:
                 self.adaptive_k.observe("verify", len(batch), step_k, t1 - t0)
-                if num_drafting:
-                    self.adaptive_k.observe("propose", num_drafting, k,
+                if num_decoding:
+                    self.adaptive_k.observe("propose", num_decoding, k,
                                             time.perf_counter() - t1)
         self._maybe_log()
         return outputs
@@ -250,20 +250,20 @@ class LLMEngine:
             self.proposer.finish(req)
 
     def _propose(self, batch: list[ScheduledRequest], out: RunnerOutput) -> tuple[int, int]:
-        """Drafts for the requests that decode next step; returns (how many requests could
-        draft, K they were given)."""
+        """Drafts for the requests that decode next step; returns (how many requests decode
+        next step, the K they were given)."""
         num_running = len(self.scheduler.running)
         k = self.spec.k_for_batch_size(num_running)
         if self.adaptive_k is not None:
             k = self.adaptive_k.choose(num_running, k)
         reqs, budgets = [], []
-        num_drafting = 0
+        num_decoding = 0
         for b in batch:
             r = b.request
             r.spec_budget = 0
             if r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
                 continue
-            num_drafting += 1
+            num_decoding += 1
             room = min(k, r.max_new_tokens - 1)
             if room > 0:
                 r.spec_budget = k
@@ -275,7 +275,7 @@ class LLMEngine:
             assert len(prop.token_ids) <= room, "a proposer returned more drafts than allowed"
             r.spec_token_ids = list(prop.token_ids)
             r.spec_token_probs = prop.probs
-        return num_drafting, k
+        return num_decoding, k
 
     def _maybe_log(self) -> None:
         interval = self.config.log_stats_interval_s

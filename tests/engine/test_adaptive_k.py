@@ -18,15 +18,18 @@ def _timed(ak: AdaptiveK, batch: int, verify_ms: dict[int, float], propose_ms: f
             ak.observe("propose", batch, k, k * propose_ms / 1e3)
 
 
+def _choices(ak: AdaptiveK, n: int, cap: int, verify_s: float, propose_s: float) -> list[int]:
+    """n steps at batch 1, each choosing K and timing it as given."""
+    picks = []
+    for _ in range(n):
+        picks.append(ak.choose(1, cap=cap))
+        ak.observe("verify", 1, picks[-1], verify_s)
+        ak.observe("propose", 1, picks[-1], propose_s)
+    return picks
+
+
 def test_explores_untimed_k_first_largest_then_zero():
-    ak = AdaptiveK(4)
-    seen = []
-    for _ in range(10):
-        k = ak.choose(1, cap=4)
-        seen.append(k)
-        ak.observe("verify", 1, k, 1e-3)
-        ak.observe("propose", 1, k, 1e-3)
-    assert seen == [4, 4, 0, 0, 3, 3, 2, 2, 1, 1]
+    assert _choices(AdaptiveK(4), 10, 4, 1e-3, 1e-3) == [4, 4, 0, 0, 3, 3, 2, 2, 1, 1]
 
 
 def test_picks_k_with_most_tokens_per_second():
@@ -62,12 +65,7 @@ def test_acceptance_counts_only_tested_positions():
 def test_refresh_retimes_the_stalest_k():
     ak = AdaptiveK(2, refresh_every=5)
     _timed(ak, 1, {0: 4.0, 1: 4.1, 2: 4.2}, propose_ms=0.1)
-    picks = []
-    for _ in range(10):
-        k = ak.choose(1, cap=2)
-        picks.append(k)
-        ak.observe("verify", 1, k, 4e-3)
-        ak.observe("propose", 1, k, 1e-4)
+    picks = _choices(ak, 10, 2, 4e-3, 1e-4)
     assert picks.count(2) >= 8 and set(picks) - {2}      # mostly the best, sometimes another
 
 
