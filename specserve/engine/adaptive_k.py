@@ -36,7 +36,7 @@ class AdaptiveK:
     PHASES = ("verify", "propose")
 
     def __init__(self, k_max: int, accept_smoothing: float = 0.02,
-                 prior_acceptance: float = 0.6, refresh_every: int = 50,
+                 prior_acceptance: float = 0.8, refresh_every: int = 50,
                  min_gain: float = 0.05) -> None:
         self.k_max = k_max
         self.min_gain = min_gain
@@ -44,8 +44,10 @@ class AdaptiveK:
         self.refresh_every = refresh_every
         self.choices: dict[int, int] = {}                       # bucket -> choices made
         self.chosen: Counter[int] = Counter()                   # K -> times chosen
-        # accept[j]: P(draft j+1 accepted | drafts 1..j accepted)
+        # accept[j]: P(draft j+1 accepted | drafts 1..j accepted); optimistic until observed,
+        # so that a position never tested still gets tried
         self.accept = [prior_acceptance] * k_max
+        self.accept_seen = [0] * k_max
         # (phase, batch size, K) -> seconds; phases: the verify step, the propose after it
         self.timings: dict[tuple[str, int, int], _Timing] = {}
 
@@ -95,7 +97,11 @@ class AdaptiveK:
         last accepted draft was rejected, if it exists)."""
         for j in range(min(num_drafts, num_accepted + 1, self.k_max)):
             hit = 1.0 if j < num_accepted else 0.0
-            self.accept[j] += self.accept_smoothing * (hit - self.accept[j])
+            # A plain mean over the first observations, then a moving average: a position
+            # tested only while K was large must not sit near the prior for long.
+            self.accept_seen[j] += 1
+            rate = max(self.accept_smoothing, 1.0 / self.accept_seen[j])
+            self.accept[j] += rate * (hit - self.accept[j])
 
     def observe(self, phase: str, batch_size: int, k: int, seconds: float) -> None:
         """Wall time of one phase of a decode step (no prompt tokens in it) at K = k: "verify"

@@ -53,13 +53,18 @@ def test_picks_k_with_most_tokens_per_second():
 
 
 def test_acceptance_counts_only_tested_positions():
-    ak = AdaptiveK(4, accept_smoothing=0.5, prior_acceptance=0.5)
+    ak = AdaptiveK(4, accept_smoothing=0.1, prior_acceptance=0.5)
     ak.observe_acceptance(4, 2)       # drafts 1, 2 accepted, 3 rejected, 4 never tested
-    assert ak.accept == [0.75, 0.75, 0.25, 0.5]
-    ak.observe_acceptance(2, 2)       # both accepted (bonus token follows)
-    assert ak.accept == [0.875, 0.875, 0.25, 0.5]
+    assert ak.accept == [1.0, 1.0, 0.0, 0.5]        # a first observation replaces the prior
+    ak.observe_acceptance(4, 0)       # draft 1 rejected: only position 1 tested
+    assert ak.accept == [0.5, 1.0, 0.0, 0.5]        # the mean of the first observations
+    ak.observe_acceptance(1, 1)       # accepted (the bonus token follows)
+    assert ak.accept[0] == pytest.approx(2 / 3)
     assert ak.expected_tokens(0) == 1.0
-    assert ak.expected_tokens(2) == pytest.approx(1 + 0.875 + 0.875 ** 2)
+    assert ak.expected_tokens(2) == pytest.approx(1 + 2 / 3 + 2 / 3 * 1.0)
+    for _ in range(100):              # past 1 / smoothing observations: a moving average
+        ak.observe_acceptance(1, 0)
+    assert ak.accept[0] < 0.01
 
 
 def test_refresh_retimes_the_stalest_k():
