@@ -63,16 +63,14 @@ def generated_tokens(target_dir: Path, corpus: Corpus, num: int, length: int, se
         if len(openings) == num:
             break
     prompts = fit_prompts(llm, openings, length)
-    outs = llm.generate(prompts, SamplingParams(temperature=temperature, seed=seed, max_tokens=length,
-                                                 ignore_eos=True), use_tqdm=True)
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=length,
+                            ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=True)
     eos = tok.token_to_id(EOS)
     ids: list[int] = []
     for o in outs:
         ids += o.prompt_token_ids + o.outputs[0].token_ids + [eos]
     return np.asarray(ids, dtype=np.int64)
-
-
-# ---- writing the public formats -------------------------------------------------------------
 
 
 def mix_generated(train_ids: np.ndarray, generated: np.ndarray, share: float) -> np.ndarray:

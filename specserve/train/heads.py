@@ -29,13 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import HEAD_METHODS
-from specserve.models.heads import (
-    Eagle3Head,
-    EagleHead,
-    MedusaHeads,
-    MLPSpeculator,
-    MTPLayer,
-)
+from specserve.models.heads import Eagle3Head, EagleHead, MedusaHeads, MLPSpeculator, MTPLayer
 from specserve.models.llama import LlamaArgs
 from specserve.models.loader import load_model
 from specserve.train.corpus import Corpus
@@ -150,6 +144,7 @@ def head_loss(method: str, head: nn.Module, target):
     return fn
 
 
+# ---- writing the public formats -------------------------------------------------------------
 def _fp(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
             for k, v in tensors.items()}

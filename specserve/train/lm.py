@@ -144,7 +144,7 @@ def train_draft(cfg: TrainConfig, shape: ModelShape, target_dir: Path, out: Path
         p.requires_grad_(False)
     corpus = corpus or Corpus.stdlib()
     train_ids, val_ids, val_bytes = prepare_data(target_dir, work, corpus, 0)
-    if gen is not None and gen.num_generated > 0:
+    if gen is not None:
         train_ids = with_generated(train_ids, gen, target_dir, corpus, work, cfg.seed)
     model = LlamaForCausalLM(shape.args(teacher.args.vocab_size))
     init_weights(model, cfg.seed)
