@@ -144,9 +144,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        # K of this step's drafts (their budget), for the adaptive-K timing
-        step_k = max((b.request.spec_budget for b in batch), default=0)
-        decode_only = all(b.num_new_tokens == 1 + b.num_spec_tokens for b in batch)
+        # adaptive K times decode steps only (no prompt tokens), by the K their drafts had
+        timed = self.adaptive_k is not None and all(
+            b.num_new_tokens == 1 + b.num_spec_tokens for b in batch)
+        step_k = max(b.request.spec_budget for b in batch) if timed else 0
         out = self.runner.execute(batch)
         sampled = [b for b in batch if b.num_sample_rows]
         if sampled:
@@ -173,7 +174,7 @@ class LLMEngine:
         if self.proposer is not None:
             t1 = time.perf_counter()
             num_decoding, k = self._propose(batch, out)
-            if self.adaptive_k is not None and decode_only:
+            if timed:
                 self.adaptive_k.observe("verify", len(batch), step_k, t1 - t0)
                 if num_decoding:
                     self.adaptive_k.observe("propose", num_decoding, k,

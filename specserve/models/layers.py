@@ -173,8 +173,8 @@ class DecodeLinear(nn.Module):
 
     MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding: a verify step
     of 1+k rows cost well over a one-row decode step. oneDNN with the weight reordered once
-    for a multi-row layout keeps the cost nearly flat from 1 to 16 rows and also halves
-    prefill time (`specserve bench latency`, runs 3, 4 and 7 in benchmarks/RESULTS.md). The
+    for a multi-row layout keeps the cost nearly flat from 1 to 16 rows, and a one-row step is
+    cheaper too (`specserve bench latency`, runs 3, 4 and 7 in benchmarks/RESULTS.md). The
     price is a second copy of the weights.
     """
 
