@@ -83,6 +83,13 @@ class SpecserveRunner:
         return (m["mean_acceptance_length"], m["acceptance_rate"],
                 [a / d for a in m["spec_decode_num_accepted_tokens_per_pos"]])
 
+    def mean_k(self) -> float | None:
+        """adaptive_k: the mean K over the steps it chose; None for a fixed K."""
+        choices = self.llm.get_metrics().get("adaptive_k_choices")
+        if not choices:
+            return None
+        return sum(k * n for k, n in choices.items()) / sum(choices.values())
+
 
 class TransformersRunner:
     """transformers generate(), assisted generation or prompt lookup (batch 1 only)."""
@@ -114,6 +121,9 @@ class TransformersRunner:
     def acceptance(self):
         return None
 
+    def mean_k(self):
+        return None
+
 
 def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: int
               ) -> list[Result]:
@@ -140,9 +150,7 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
         acc = r.acceptance()
         if acc:
             results[r.name].tau, results[r.name].acceptance_rate, results[r.name].per_pos = acc
-        choices = r.llm.get_metrics().get("adaptive_k_choices") if hasattr(r, "llm") else None
-        if choices:
-            results[r.name].mean_k = sum(k * n for k, n in choices.items()) / sum(choices.values())
+        results[r.name].mean_k = r.mean_k()
     return [res for res in results.values() if res.tokens_per_s]
 
 

@@ -48,7 +48,8 @@ class AdaptiveK:
         # so that a position never tested still gets tried
         self.accept = [prior_acceptance] * k_max
         self.accept_seen = [0] * k_max
-        # (phase, batch size, K) -> seconds; phases: the verify step, the propose after it
+        # (phase, batch-size bucket, K) -> step times; phases: the verify step, the
+        # propose after it
         self.timings: dict[tuple[str, int, int], _Timing] = {}
 
     def expected_tokens(self, k: int) -> float:

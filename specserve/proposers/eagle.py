@@ -63,10 +63,10 @@ class HeadProposer:
             assert start + sum(len(x) for x in held) == out.starts[i], \
                 "the head saw every step of this request"
             lo, hi = out.rows(i, r.num_computed_tokens)
-            held.append(feats[lo:hi])
             if not batch.requests and r.num_computed_tokens - start < self.MAX_PENDING:
-                held[-1] = held[-1].clone()          # outlives this step's feature tensor
+                held.append(feats[lo:hi].clone())    # outlives this step's feature tensor
                 continue
+            held.append(feats[lo:hi])
             reqs.append(r)
             tokens.append(r.all_token_ids[start + 1:r.num_computed_tokens + 1])
             rows.append(held[0] if len(held) == 1 else torch.cat(held))
