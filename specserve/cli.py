@@ -118,6 +118,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         return
     if args.kind == "lm":
         bpb = train_lm(cfg, shape, Path(args.out), vocab_size=args.vocab_size)
+    elif args.kind == "unlikelihood":
+        from specserve.train.unlikelihood import UnlikelihoodConfig, train_unlikelihood
+        bpb = train_unlikelihood(cfg, UnlikelihoodConfig(**dataclass_kwargs(args, UnlikelihoodConfig)),
+                                 Path(args.target), Path(args.out))
     else:
         bpb = train_draft(cfg, shape, Path(args.target), Path(args.out),
                           gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)))
@@ -149,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     from specserve.train.generated import GeneratedData
     from specserve.train.lm import ModelShape
     from specserve.train.trainer import TrainConfig
+    from specserve.train.unlikelihood import UnlikelihoodConfig
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -174,13 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest accepted request body")
     s.set_defaults(func=cmd_serve)
 
-    t = sub.add_parser("train", help="train a model: lm (pretraining), draft (distillation) or "
-                       "a draft head for a target")
-    t.add_argument("kind", choices=["lm", "draft", *HEAD_METHODS])
+    t = sub.add_parser("train", help="train a model: lm (pretraining), unlikelihood (fine-tune "
+                       "--target so that its greedy output stops looping), draft "
+                       "(distillation) or a draft head for a target")
+    t.add_argument("kind", choices=["lm", "unlikelihood", "draft", *HEAD_METHODS])
     t.add_argument("--out", required=True, help="the trained model's HF directory")
     t.add_argument("--work-dir", default=None, help="checkpoints and logs; a run resumes from "
                    "here (default: runs/<name of --out>)")
-    t.add_argument("--target", help="draft and heads: the target model directory")
+    t.add_argument("--target", help="draft and heads: the target model directory; "
+                   "unlikelihood: the model to fine-tune")
     t.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="heads: tokens the head drafts (Medusa heads, MLP stages; tau is "
                         "measured at this K)")
@@ -192,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(t, ModelShape)
     add_dataclass_args(t.add_argument_group("draft and heads: target-generated training text"),
                        GeneratedData)
+    add_dataclass_args(t.add_argument_group("unlikelihood"), UnlikelihoodConfig)
     t.set_defaults(func=cmd_train)
 
     z = sub.add_parser("zoo", help="rebuild (build) or measure (eval) the bundled model zoo")

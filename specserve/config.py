@@ -137,6 +137,10 @@ class SpeculativeConfig:
         "help": "no speculation while this many requests or more are running"})
     num_speculative_tokens_per_batch_size: list | None = field(default=None, metadata={
         "help": "[[start, end, K], ...]: K by number of running requests (inclusive ranges)"})
+    draft_confidence_threshold: float = field(default=0.0, metadata={
+        "help": "draft_model, eagle, eagle3, mtp: stop a request's drafts at the first token "
+                "the drafter gives less than this probability (0 = always K); lets a larger "
+                "K pay off where drafts are easy"})
     adaptive_k: bool = field(default=False, metadata={
         "help": "choose K per step (0..num_speculative_tokens) for the most tokens/s, from "
                 "measured acceptance and step times at the current batch size"})
@@ -231,6 +235,12 @@ class SpeculativeConfig:
                              f"{self.disable_by_batch_size!r}")
         if self.num_speculative_tokens_per_batch_size is not None:
             _check_schedule(self.num_speculative_tokens_per_batch_size)
+        t = self.draft_confidence_threshold
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < 1:
+            raise ValueError(f"draft_confidence_threshold must be a number in [0, 1), got {t!r}")
+        if t and self.method not in ("draft_model", "eagle", "eagle3", "mtp"):
+            raise ValueError("draft_confidence_threshold applies to draft_model, eagle, eagle3 "
+                             f"and mtp (drafters that run step by step), not {self.method!r}")
         if not isinstance(self.adaptive_k, bool):
             raise ValueError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
 

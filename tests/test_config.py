@@ -50,6 +50,11 @@ from specserve.config import SpeculativeConfig, load_json_or_yaml_arg
      "'top_p' is a sampling parameter"),
     ({"method": "ngram", "num_speculative_tokens": 2, "adaptive_k": "yes"},
      "adaptive_k must be true or false, got 'yes'"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2,
+      "draft_confidence_threshold": 1.0},
+     r"draft_confidence_threshold must be a number in \[0, 1\), got 1.0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_confidence_threshold": 0.5},
+     "draft_confidence_threshold applies to draft_model, eagle, eagle3 and mtp"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
      "unknown speculative_config key 'lookahead'; valid keys: method, model"),
 ])

@@ -274,3 +274,27 @@ def test_spec_max_model_len_applies_to_every_method(llama_dir):
     out = llm.generate(TokensPrompt(prompt_token_ids=list(range(36))), _greedy(100),
                        use_tqdm=False)[0].outputs[0]
     assert llm.engine.max_model_len == 40 and len(out.token_ids) == 4
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3"])
+def test_confidence_threshold_keeps_output_and_shortens_drafts(method, llama_dir, draft_dir,
+                                                                tmp_path):
+    """Drafting stops after the first token the drafter is unsure of: greedy output is
+    unchanged and the drafts get shorter as the threshold rises (never empty)."""
+    from tests.proposers.test_heads import eagle3_ckpt
+    model = str(draft_dir) if method == "draft_model" else str(eagle3_ckpt(tmp_path / "e3"))
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4, seed=3)]
+    base = LLM(str(llama_dir), device="cpu")
+    ref = [o.outputs[0].token_ids for o in base.generate(ps, _greedy(), use_tqdm=False)]
+    per_draft = []
+    for threshold in (0.0, 0.2, 0.99):
+        llm = LLM(str(llama_dir), device="cpu", speculative_config={
+            "method": method, "model": model, "num_speculative_tokens": K,
+            "draft_confidence_threshold": threshold})
+        got = [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(), use_tqdm=False)]
+        assert got == ref, threshold
+        m = llm.get_metrics()
+        per_draft.append(m["spec_decode_num_draft_tokens"] / m["spec_decode_num_drafts"])
+    assert per_draft[0] > 2.5                      # K = 3 except near max_tokens
+    assert per_draft[0] >= per_draft[1] >= per_draft[2] >= 1.0
+    assert per_draft[2] < per_draft[0]

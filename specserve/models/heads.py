@@ -140,6 +140,12 @@ class StatefulHead(nn.Module):
         """The most likely next token (a target id) for each output row [T, H]: [T]."""
         return self.logits(out).argmax(dim=-1)
 
+    def greedy_tokens_with_prob(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """greedy_tokens(out) and the head's probability of each: ([T], [T])."""
+        logits = self.logits(out).float()                                    # [T, V]
+        best = logits.max(dim=-1)
+        return best.indices, (best.values - logits.logsumexp(-1)).exp()
+
 
 class EagleHead(StatefulHead):
     """EAGLE-1: out = layer(fc([embed(token); h])); logits = target lm_head(out)."""
@@ -213,6 +219,11 @@ class Eagle3Head(StatefulHead):
     def greedy_tokens(self, out: torch.Tensor) -> torch.Tensor:
         best = self.draft_logits(out).argmax(dim=-1)                        # [T] draft ids
         return best + self.d2t[best]
+
+    def greedy_tokens_with_prob(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.draft_logits(out).float()                             # [T, draft_vocab]
+        best = logits.max(dim=-1)
+        return best.indices + self.d2t[best.indices], (best.values - logits.logsumexp(-1)).exp()
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         draft = self.draft_logits(out)                                       # [T, draft_vocab]

@@ -45,6 +45,7 @@ class DraftModelProposer:
         self.caches = [self.cache]
         self.device = engine.device
         self.sample = config.draft_sample_method == "probabilistic"
+        self.threshold = config.draft_confidence_threshold
         self.state: dict[str, _DraftState] = {}
         self.aux_hidden_layers = ()
 
@@ -100,7 +101,12 @@ class DraftModelProposer:
             for i, t, p in zip(active, toks, ps):
                 drafts[i].append(t)
                 probs[i].append(p)
-            active = [i for i in active if len(drafts[i]) < budgets[i]]
+            sure = [True] * len(active)
+            if self.threshold:          # the drafter's probability of each token it chose
+                chosen = logits.gather(-1, torch.tensor(toks, device=self.device)[:, None])
+                sure = ((chosen.squeeze(-1) - logits.logsumexp(-1)).exp()
+                        >= self.threshold).tolist()
+            active = [i for i, ok in zip(active, sure) if ok and len(drafts[i]) < budgets[i]]
             if not active:
                 break
             sub = [reqs[i] for i in active]

@@ -39,6 +39,7 @@ class HeadProposer:
                              a.head_dim, engine.dtype, engine.device)
         self.caches = [self.cache]
         self.device = engine.device
+        self.threshold = config.draft_confidence_threshold
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs
         # request id -> target feature rows [n, F] for the positions after num_verified
@@ -86,10 +87,15 @@ class HeadProposer:
         drafts: list[list[int]] = [[] for _ in drafting]
         active = list(range(len(drafting)))
         while True:
-            toks = self.head.greedy_tokens(state).tolist()
-            for j, t in zip(active, toks):
+            if self.threshold:
+                toks, conf = self.head.greedy_tokens_with_prob(state)
+                sure = (conf >= self.threshold).tolist()
+            else:
+                toks, sure = self.head.greedy_tokens(state), [True] * len(active)
+            for j, t in zip(active, toks.tolist()):
                 drafts[j].append(t)
-            keep = [n for n, j in enumerate(active) if len(drafts[j]) < batch.max_num_tokens[j]]
+            keep = [n for n, j in enumerate(active)
+                    if sure[n] and len(drafts[j]) < batch.max_num_tokens[j]]
             if not keep:
                 break
             active = [active[n] for n in keep]
