@@ -33,3 +33,14 @@ def test_named_methods_are_kept_and_unknown_ones_named():
     assert list(configs(_args("--methods", "medusa,ngram"))) == ["medusa", "ngram"]
     with pytest.raises(SystemExit, match="unknown method 'foo'"):
         configs(_args("--methods", "foo"))
+
+
+def test_method_at_dir_compares_two_heads():
+    got = configs(_args("--methods", "eagle3,eagle3@old/e3,mtp@old/mtp,draft_model@d2"))
+    assert list(got) == ["eagle3", "eagle3@old/e3", "mtp@old/mtp", "draft_model@d2"]
+    assert got["eagle3"][1]["model"] == "models/code-target-eagle3"
+    assert got["eagle3@old/e3"][1]["model"] == "old/e3"
+    assert got["mtp@old/mtp"][0] == "old/mtp"
+    assert got["draft_model@d2"][1]["model"] == "d2"
+    with pytest.raises(SystemExit, match="ngram drafts without a model"):
+        configs(_args("--methods", "ngram@x"))

@@ -33,7 +33,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--methods", default="available",
                    help="comma-separated, from " + ", ".join(METHODS) + "; default: every method "
-                        "whose draft or head exists (heads at <target>-<method>)")
+                        "whose draft or head exists (heads at <target>-<method>); METHOD@DIR "
+                        "takes the draft or head from DIR (compare two heads side by side)")
     p.add_argument("--spec-extra", default=None,
                    help="JSON merged into every speculative_config, e.g. "
                         "'{\"disable_by_batch_size\": 8}'")
@@ -46,10 +47,15 @@ def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
     extra = json.loads(a.spec_extra) if a.spec_extra else {}
     names = METHODS if a.methods == "available" else tuple(filter(None, a.methods.split(",")))
     out = {}
-    for m in names:
+    for name in names:
+        m, _, path = name.partition("@")
         model, spec = spec_config(m, a.num_speculative_tokens, a.target, a.draft)
+        if path and m in ("ngram", "suffix"):
+            raise SystemExit(f"{m} drafts without a model; drop '@{path}'")
+        if path:
+            model, spec = (path, spec) if m == "mtp" else (model, spec | {"model": path})
         needed = Path(spec.get("model", model))
         if a.methods == "available" and not (needed / "config.json").is_file():
             continue
-        out[m] = (model, spec | extra)
+        out[name] = (model, spec | extra)
     return out

@@ -8,8 +8,9 @@ tokens, because acceptance is agreement with the target:
 - mlp_speculator: stage i (teacher-forced with the true tokens) vs the target at t+i+1;
 - eagle: layer(fc([embed(x_t+1); h_t])) vs the target at t+1, plus feature regression to h_t+1
   (smooth L1, as in EAGLE);
-- eagle3: the same over fc-fused aux states and the draft vocabulary, plus unrolled passes that
-  feed the head's own outputs back (a short form of EAGLE-3's training-time test);
+- eagle3: the same over fc-fused aux states and the draft vocabulary, unrolled for K draft
+  steps: each further pass feeds the head's own outputs back (a short form of EAGLE-3's
+  training-time test; with fewer passes than K, the last drafts were never trained);
 - mtp: the MTP layer over (h_t, x_t+1) vs the target at t+1.
 The result is written in the public format the loader reads, then tau is measured on held-out
 prompts.
@@ -38,7 +39,6 @@ from specserve.train.lm import _setup, prepare_data
 from specserve.train.trainer import TrainConfig, _positions, train
 
 MLP_INNER_DIM = 256         # MLP speculator state width: its two vocab matrices dominate its size
-EAGLE3_TRAIN_STEPS = 3      # unrolled draft steps per training position (training-time test)
 
 
 def head_dir(target: str | Path, method: str) -> str:
@@ -89,8 +89,9 @@ def _kl(logits: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
                     target_logp.flatten(0, -2), log_target=True, reduction="batchmean")
 
 
-def head_loss(method: str, head: nn.Module, target):
-    """Loss function over a token batch [B, S + 1] (see the module docstring)."""
+def head_loss(method: str, head: nn.Module, target, k: int):
+    """Loss function over a token batch [B, S + 1] (see the module docstring); eagle3 is
+    unrolled for the k draft steps it serves at K = k."""
     aux_layers = tuple(getattr(head, "aux_layers", ()))
 
     def fn(xy: torch.Tensor):
@@ -134,7 +135,7 @@ def head_loss(method: str, head: nn.Module, target):
             # Further passes: the head's own output at t-1 replaces the target state at t, as
             # when it drafts its 2nd, 3rd, ... token.
             kls = [kl]
-            for j in range(1, EAGLE3_TRAIN_STEPS):
+            for j in range(1, k):
                 out = head(tok[:, j:], out[:, :-1], pos[:, j:-1], None, None)
                 kls.append(_kl(head_logits(out), logp[:, j + 1:]))
                 values[f"kl_step{j + 1}"] = kls[-1].item()
@@ -276,7 +277,7 @@ def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: in
     head = build_head(method, target, k, draft_vocab, counts).to(device)
     print(f"{method} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "
           f"trainable parameters; {len(ids) / 1e6:.2f}M training tokens", flush=True)
-    log = train(head, ids, cfg, device, head_loss(method, head, target))
+    log = train(head, ids, cfg, device, head_loss(method, head, target, k))
     if not log or log[-1]["step"] < cfg.steps:
         return {}
     save_head(method, head, out, target_dir)
