@@ -22,7 +22,7 @@ from specserve.models.loader import load_model, save_model
 from specserve.train.bpe import EOS, save_tokenizer, train_bpe
 from specserve.train.corpus import Corpus, encode_files
 from specserve.train.generated import GeneratedData, with_generated
-from specserve.train.trainer import TrainConfig, evaluate_bpb, lm_loss, train
+from specserve.train.trainer import LossFn, TrainConfig, evaluate_bpb, lm_loss, train
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -98,9 +98,19 @@ def export(model: LlamaForCausalLM, work: Path, tok_dir: Path, out: Path, eos_id
         {"val_bits_per_byte": val_bpb, "parameters": model.num_parameters()}, indent=2) + "\n")
 
 
-def _bpb_eval(model, val_ids: np.ndarray, val_bytes: int, cfg: TrainConfig, device):
-    return lambda: {"val_bpb": evaluate_bpb(model, val_ids, val_bytes, cfg.seq_len, device,
-                                            cfg.bf16)}
+def train_and_export(model, train_ids: np.ndarray, val: tuple[np.ndarray, int], cfg: TrainConfig,
+                     device: torch.device, loss_fn: LossFn, tok_dir: Path, out: Path) -> float:
+    """Train, validate in bits per byte, and export the HF directory to `out` once the schedule
+    is done; returns the validation bits per byte (NaN when stopped on the time limit)."""
+    val_ids, val_bytes = val
+    log = train(model, train_ids, cfg, device, loss_fn, lambda: {
+        "val_bpb": evaluate_bpb(model, val_ids, val_bytes, cfg.seq_len, device, cfg.bf16)})
+    if not log or log[-1]["step"] < cfg.steps:
+        return float("nan")           # resume to finish
+    bpb = log[-1]["val_bpb"]
+    eos = HFTokenizer.from_file(str(tok_dir / "tokenizer.json")).token_to_id(EOS)
+    export(model, Path(cfg.work_dir), tok_dir, out, eos, bpb)
+    return bpb
 
 
 def _setup(cfg: TrainConfig) -> torch.device:
@@ -123,14 +133,8 @@ def train_lm(cfg: TrainConfig, shape: ModelShape, out: Path, vocab_size: int = 8
     init_weights(model, cfg.seed)
     print(f"model: {model.num_parameters() / 1e6:.2f}M parameters; train tokens "
           f"{len(train_ids) / 1e6:.2f}M, val tokens {len(val_ids) / 1e6:.3f}M", flush=True)
-    log = train(model, train_ids, cfg, device, lm_loss(model), _bpb_eval(model, val_ids, val_bytes,
-                                                                            cfg, device))
-    if not log or log[-1]["step"] < cfg.steps:
-        return float("nan")           # stopped on the time limit; resume to finish
-    bpb = log[-1]["val_bpb"]
-    eos = HFTokenizer.from_file(str(tok_dir / "tokenizer.json")).token_to_id(EOS)
-    export(model, work, tok_dir, out, eos, bpb)
-    return bpb
+    return train_and_export(model, train_ids, (val_ids, val_bytes), cfg, device, lm_loss(model),
+                            tok_dir, out)
 
 
 def train_draft(cfg: TrainConfig, shape: ModelShape, target_dir: Path, out: Path,
@@ -150,14 +154,8 @@ def train_draft(cfg: TrainConfig, shape: ModelShape, target_dir: Path, out: Path
     init_weights(model, cfg.seed)
     print(f"draft: {model.num_parameters() / 1e6:.2f}M parameters; target "
           f"{teacher.num_parameters() / 1e6:.2f}M", flush=True)
-    log = train(model, train_ids, cfg, device, lm_loss(model, teacher, cfg.kd_alpha),
-                _bpb_eval(model, val_ids, val_bytes, cfg, device))
-    if not log or log[-1]["step"] < cfg.steps:
-        return float("nan")
-    bpb = log[-1]["val_bpb"]
-    eos = HFTokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(EOS)
-    export(model, work, target_dir, out, eos, bpb)
-    return bpb
+    return train_and_export(model, train_ids, (val_ids, val_bytes), cfg, device,
+                            lm_loss(model, teacher, cfg.kd_alpha), target_dir, out)
 
 
 def measure_bpb(model_dir: Path, device: str = "cpu", corpus: Corpus | None = None) -> float:

@@ -17,16 +17,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer as HFTokenizer
 
 from specserve.engine.runner import ragged_inputs
 from specserve.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model
-from specserve.train.bpe import EOS
 from specserve.train.corpus import Corpus
-from specserve.train.lm import _bpb_eval, _setup, export, prepare_data
-from specserve.train.trainer import LossFn, TrainConfig, _positions, train
+from specserve.train.lm import _setup, prepare_data, train_and_export
+from specserve.train.trainer import LossFn, TrainConfig, _positions
 
 
 @dataclass
@@ -120,12 +118,6 @@ def train_unlikelihood(cfg: TrainConfig, ul: UnlikelihoodConfig, model_dir: Path
     train_ids, val_ids, val_bytes = prepare_data(model_dir, work, corpus or Corpus.stdlib(), 0)
     work.mkdir(parents=True, exist_ok=True)
     (work / "unlikelihood_config.json").write_text(json.dumps(ul.__dict__, indent=2))
-    log = train(model, train_ids, cfg, device, unlikelihood_loss(model, ul),
-                _bpb_eval(model, val_ids, val_bytes, cfg, device))
-    if not log or log[-1]["step"] < cfg.steps:
-        return float("nan")
-    bpb = log[-1]["val_bpb"]
-    eos = HFTokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(EOS)
-    export(model, work, model_dir, out, eos, bpb)
-    return bpb
+    return train_and_export(model, train_ids, (val_ids, val_bytes), cfg, device,
+                            unlikelihood_loss(model, ul), model_dir, out)
 
