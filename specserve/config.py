@@ -139,8 +139,7 @@ class SpeculativeConfig:
         "help": "[[start, end, K], ...]: K by number of running requests (inclusive ranges)"})
     draft_confidence_threshold: float = field(default=0.0, metadata={
         "help": "draft_model, eagle, eagle3, mtp: stop a request's drafts at the first token "
-                "the drafter gives less than this probability (0 = always K); lets a larger "
-                "K pay off where drafts are easy"})
+                "the drafter gives less than this probability (0 = always K)"})
     adaptive_k: bool = field(default=False, metadata={
         "help": "choose K per step (0..num_speculative_tokens) for the most tokens/s, from "
                 "measured acceptance and step times at the current batch size"})
