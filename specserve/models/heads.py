@@ -136,15 +136,23 @@ class StatefulHead(nn.Module):
         """The target's hidden states [T, H] as this head's input state."""
         return hidden
 
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's own vocabulary (the target's unless overridden)."""
+        return self.logits(out)
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Head vocabulary ids -> target ids (identity unless overridden)."""
+        return ids
+
     def greedy_tokens(self, out: torch.Tensor) -> torch.Tensor:
         """The most likely next token (a target id) for each output row [T, H]: [T]."""
-        return self.logits(out).argmax(dim=-1)
+        return self.to_target_ids(self.draft_logits(out).argmax(dim=-1))
 
     def greedy_tokens_with_prob(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """greedy_tokens(out) and the head's probability of each: ([T], [T])."""
-        logits = self.logits(out).float()                                    # [T, V]
+        logits = self.draft_logits(out).float()                              # [T, V]
         best = logits.max(dim=-1)
-        return best.indices, (best.values - logits.logsumexp(-1)).exp()
+        return self.to_target_ids(best.indices), (best.values - logits.logsumexp(-1)).exp()
 
 
 class EagleHead(StatefulHead):
@@ -216,14 +224,8 @@ class Eagle3Head(StatefulHead):
         """The target id of each draft-vocabulary id: [draft_vocab]."""
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
 
-    def greedy_tokens(self, out: torch.Tensor) -> torch.Tensor:
-        best = self.draft_logits(out).argmax(dim=-1)                        # [T] draft ids
-        return best + self.d2t[best]
-
-    def greedy_tokens_with_prob(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.draft_logits(out).float()                             # [T, draft_vocab]
-        best = logits.max(dim=-1)
-        return best.indices + self.d2t[best.indices], (best.values - logits.logsumexp(-1)).exp()
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.d2t[ids]
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         draft = self.draft_logits(out)                                       # [T, draft_vocab]

@@ -123,7 +123,7 @@ def head_loss(method: str, head: nn.Module, target, k: int):
         # eagle / eagle3 / mtp: pairs (state at t, token t+1) for t = 0..S-2
         tok, hin = x[:, 1:], (aux if method == "eagle3" else h)[:, :-1]
         out = head(tok, head.fuse_target(hin), pos[:, :-1], None, None)    # [B, S-1, H]
-        head_logits = head.draft_logits if method == "eagle3" else head.logits
+        head_logits = head.draft_logits          # eagle3: its own vocabulary
         kl = _kl(head_logits(out), logp[:, 1:])
         values = {"kl": kl.item()}
         loss = kl
