@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from specserve.token_tree import TokenTree
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -101,6 +103,7 @@ def load_json_or_yaml_arg(value: str | None) -> dict | None:
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")    # read target hidden states
 METHODS = ("ngram", "suffix", "draft_model", *HEAD_METHODS)
 REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
+TREE_METHODS = ("eagle", "eagle3", "mtp")          # drafters that can expand a token tree
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
 
 
@@ -140,6 +143,10 @@ class SpeculativeConfig:
     draft_confidence_threshold: float = field(default=0.0, metadata={
         "help": "draft_model, eagle, eagle3, mtp: stop a request's drafts at the first token "
                 "the drafter gives less than this probability (0 = always K)"})
+    speculative_token_tree: str | list | None = field(default=None, metadata={
+        "help": "eagle, eagle3, mtp: verify a tree of candidates, a list of paths of child "
+                "ranks such as \"[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]\" (greedy requests; "
+                "sampled ones draft the chain); K = the number of nodes"})
     adaptive_k: bool = field(default=False, metadata={
         "help": "choose K per step (0..num_speculative_tokens) for the most tokens/s, from "
                 "measured acceptance and step times at the current batch size"})
@@ -173,6 +180,8 @@ class SpeculativeConfig:
                 and not self.model:
             raise ValueError(f"speculative_config method {self.method!r} needs 'model': the "
                              "path of the draft model or head directory")
+        if self.speculative_token_tree is not None:
+            self._check_tree()
         if self.num_speculative_tokens is None:
             raise ValueError("speculative_config needs 'num_speculative_tokens' (an int > 0)")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
@@ -242,6 +251,32 @@ class SpeculativeConfig:
                              f"and mtp (drafters that run step by step), not {self.method!r}")
         if not isinstance(self.adaptive_k, bool):
             raise ValueError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
+
+    def _check_tree(self) -> None:
+        tree = TokenTree.parse(self.speculative_token_tree)
+        self.speculative_token_tree = [list(p) for p in tree.paths]     # normalised, JSON-able
+        if self.method not in TREE_METHODS:
+            raise ValueError(f"speculative_token_tree applies to {', '.join(TREE_METHODS)}, "
+                             f"not {self.method!r}")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = len(tree)
+        elif self.num_speculative_tokens != len(tree):
+            raise ValueError(f"num_speculative_tokens ({self.num_speculative_tokens}) must equal "
+                             f"the number of nodes of speculative_token_tree ({len(tree)}); "
+                             "leave it out to take the tree's size")
+        if self.rejection_sample_method == "synthetic":
+            raise ValueError("speculative_token_tree cannot be used with rejection_sample_method "
+                             "'synthetic' (it fakes acceptance along a chain)")
+        if self.draft_confidence_threshold:
+            raise ValueError("speculative_token_tree and draft_confidence_threshold cannot be "
+                             "combined: the tree fixes which candidates are drafted")
+
+    def token_tree(self) -> TokenTree | None:
+        """The draft tree for greedy requests, None for a chain (the default)."""
+        if self.speculative_token_tree is None:
+            return None
+        tree = TokenTree.parse(self.speculative_token_tree)
+        return None if tree.is_chain else tree
 
     def k_for_batch_size(self, batch_size: int) -> int:
         """Draft tokens per request when `batch_size` requests are running."""

@@ -2,7 +2,8 @@
 
 Writes go to explicit (slot, position) pairs, so a verify step appends k+1 tokens in place and
 rejected drafts are rolled back by decreasing the request's `num_computed_tokens`: the next step
-overwrites those positions. Nothing is ever copied to undo.
+overwrites those positions. Nothing is ever copied to undo; only an accepted draft-tree branch
+other than the first-child chain is moved into place (`move`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class KVCache:
     def free(self, slot: int) -> None:
         assert slot not in self._free and 0 <= slot < self.num_slots
         self._free.append(slot)
+
+    def move(self, slot: int, src: list[int], dst: list[int]) -> None:
+        """Copy the KV at positions `src` of a slot to positions `dst`, in every layer."""
+        for k, v in self.layers:
+            k[slot, :, dst] = k[slot, :, src]
+            v[slot, :, dst] = v[slot, :, src]
 
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)

@@ -23,6 +23,7 @@ from specserve.proposers.base import ProposeBatch, Proposer
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.sampling.sampler import token_logprobs
 from specserve.sampling_params import SamplingParams
+from specserve.token_tree import accepted_path
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("specserve")
@@ -149,18 +150,23 @@ class LLMEngine:
             b.num_new_tokens == 1 + b.num_spec_tokens for b in batch)
         step_k = max(b.request.spec_budget for b in batch) if timed else 0
         out = self.runner.execute(batch)
-        sampled = [b for b in batch if b.num_sample_rows]
+        sampled = [(i, b) for i, b in enumerate(batch) if b.num_sample_rows]
         if sampled:
             vreqs = [VerifyRequest(b.request.spec_token_ids[:b.num_spec_tokens],
                                    b.request.spec_token_probs, b.request.params,
-                                   b.request.generator) for b in sampled]
+                                   b.request.generator,
+                                   b.request.spec_parents if b.num_spec_tokens else None)
+                     for _, b in sampled]
             method = self.spec.rejection_sample_method if self.spec else "strict"
             rate = self.spec.synthetic_acceptance_rate if self.spec else None
             tokens = verify(out.logits, vreqs, method, rate).tolist()
             row = 0
-            for b, toks in zip(sampled, tokens):
+            for (i, b), v, toks in zip(sampled, vreqs, tokens):
                 toks = [t for t in toks if t != PLACEHOLDER_TOKEN_ID]
-                self._update(b, toks, out.logits[row:row + b.num_sample_rows])
+                logits = out.logits[row:row + b.num_sample_rows]
+                if v.parents is not None:
+                    logits = self._settle_tree(i, b, v, toks, out, logits)
+                self._update(b, toks, logits)
                 row += b.num_sample_rows
         for b in batch:
             if not b.num_sample_rows:                      # partial prefill
@@ -182,6 +188,25 @@ class LLMEngine:
         self._maybe_log()
         return outputs
 
+    @torch.inference_mode()
+    def _settle_tree(self, i: int, b: ScheduledRequest, v: VerifyRequest, tokens: list[int],
+                     out: RunnerOutput, logits: torch.Tensor) -> torch.Tensor:
+        """Move the accepted branch of request i's draft tree to where a chain would have put it:
+        its KV to the positions after the last verified token, its hidden-state rows (which
+        the proposer reads) likewise. Returns its logits rows in emitted-token order."""
+        path = accepted_path(v.parents, v.draft_token_ids, tokens)
+        if path == list(range(len(path))):          # the first-child chain: already in place
+            return logits
+        n_known = b.num_new_tokens - b.num_spec_tokens
+        src = [n_known + c for c in path]
+        dst = list(range(n_known, n_known + len(path)))
+        start, row0 = out.starts[i], out.cu_num_tokens[i]
+        self.cache.move(b.request.slot, [start + j for j in src], [start + j for j in dst])
+        for t in (out.hidden, out.aux_hidden):
+            if t is not None:
+                t[[row0 + j for j in dst]] = t[[row0 + j for j in src]]
+        return logits[[0] + [1 + c for c in path]]
+
     def _update(self, b: ScheduledRequest, tokens: list[int], logits: torch.Tensor) -> None:
         req = b.request
         k = b.num_spec_tokens
@@ -194,6 +219,7 @@ class LLMEngine:
         req.spec_metrics.observe(k, num_accepted)
         req.spec_token_ids = []
         req.spec_token_probs = None
+        req.spec_parents = None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         kept = self._append_tokens(req, tokens)
@@ -276,6 +302,7 @@ class LLMEngine:
             assert len(prop.token_ids) <= room, "a proposer returned more drafts than allowed"
             r.spec_token_ids = list(prop.token_ids)
             r.spec_token_probs = prop.probs
+            r.spec_parents = prop.parents
         return num_decoding, k
 
     def _maybe_log(self) -> None:

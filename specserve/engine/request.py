@@ -37,6 +37,7 @@ class Request:
     num_computed_tokens: int = 0        # tokens whose KV is in the cache; rollback = decrease
     spec_token_ids: list[int] = field(default_factory=list)   # drafts to verify next step
     spec_token_probs: torch.Tensor | None = None               # [k, vocab] draft probs or None
+    spec_parents: list[int] | None = None                      # draft tree (Proposal.parents)
     spec_budget: int = 0                                       # K the drafts were allowed
     slot: int | None = None             # KV-cache slot while running
     text: str = ""

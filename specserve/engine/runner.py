@@ -13,6 +13,7 @@ import torch
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.kv_cache import KVCache
 from specserve.models.layers import AttentionMetadata
+from specserve.token_tree import ancestors, node_depths
 
 
 @dataclass(slots=True)
@@ -37,24 +38,66 @@ def build_metadata(starts: list[int], lens: list[int], slots: list[int],
     B, Q = len(lens), max(lens)
     positions = torch.tensor([s + j for s, n in zip(starts, lens) for j in range(n)],
                              dtype=torch.long, device=device)
-    token_slots = torch.tensor([sl for sl, n in zip(slots, lens) for _ in range(n)],
-                               dtype=torch.long, device=device)
     max_kv = max(s + n for s, n in zip(starts, lens))
-    pad_index = None
-    if any(n != Q for n in lens):
-        pad_index = torch.tensor([b * Q + j for b, n in enumerate(lens) for j in range(n)],
-                                 dtype=torch.long, device=device)
     mask = None
     if not (B == 1 and Q == 1):
         qpos = (torch.tensor(starts, device=device)[:, None]
                 + torch.arange(Q, device=device)[None, :])                      # [B, Q]
         mask = (torch.arange(max_kv, device=device)[None, None, :]
                 <= qpos[:, :, None]).unsqueeze(1)                               # [B, 1, Q, L]
-    md = AttentionMetadata(
+    return _metadata(slots, lens, positions, max_kv, mask, device), positions
+
+
+def build_tree_metadata(slots: list[int], store: list[list[int]], ctx: list[list[int]],
+                        extra: list[list[list[int]]], device: torch.device) -> AttentionMetadata:
+    """Metadata for rows that are not one causal run (draft tree nodes): row j of request b
+    writes its KV at position store[b][j] and attends to the positions < ctx[b][j] plus the
+    positions extra[b][j] (a node's ancestors and itself). Its rotary position is the caller's."""
+    lens = [len(s) for s in store]
+    B, Q = len(lens), max(lens)
+    max_kv = max(max(max(s) + 1, max(c)) for s, c in zip(store, ctx))
+    ctx_t = torch.ones(B, Q, dtype=torch.long)      # padding rows see position 0: never all -inf
+    for b, c in enumerate(ctx):
+        ctx_t[b, :len(c)] = torch.tensor(c)
+    mask = torch.arange(max_kv)[None, None, :] < ctx_t[:, :, None]              # [B, Q, L]
+    idx = [(b, j, col) for b, rows in enumerate(extra) for j, cols in enumerate(rows)
+           for col in cols]
+    if idx:
+        bi, qi, ci = zip(*idx)
+        mask[list(bi), list(qi), list(ci)] = True
+    positions = torch.tensor([p for s in store for p in s], dtype=torch.long, device=device)
+    return _metadata(slots, lens, positions, max_kv, mask.unsqueeze(1).to(device), device)
+
+
+def _metadata(slots: list[int], lens: list[int], positions: torch.Tensor, max_kv: int,
+              mask: torch.Tensor | None, device: torch.device) -> AttentionMetadata:
+    B, Q = len(lens), max(lens)
+    token_slots = torch.tensor([sl for sl, n in zip(slots, lens) for _ in range(n)],
+                               dtype=torch.long, device=device)
+    pad_index = None
+    if any(n != Q for n in lens):
+        pad_index = torch.tensor([b * Q + j for b, n in enumerate(lens) for j in range(n)],
+                                 dtype=torch.long, device=device)
+    return AttentionMetadata(
         token_slots=token_slots, positions=positions,
         slot_ids=torch.tensor(slots, dtype=torch.long, device=device), first_slot=slots[0],
         batch_size=B, max_query_len=Q, max_kv_len=max_kv, pad_index=pad_index, mask=mask)
-    return md, positions
+
+
+def tree_rows(start: int, n_known: int, parents: list[int] | None, k: int
+              ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """(KV positions, rotary positions, ctx, extra) of a request feeding n_known tokens from
+    `start` and then k drafts with tree `parents` (None: a chain), for build_tree_metadata.
+    Draft i is stored at start + n_known + i but rotated at its depth in the tree."""
+    store = list(range(start, start + n_known + k))
+    if parents is None:
+        return store, store, [p + 1 for p in store], [[] for _ in store]
+    last = start + n_known - 1
+    rope = store[:n_known] + [last + d for d in node_depths(parents)]
+    ctx = [p + 1 for p in store[:n_known]] + [last + 1] * k
+    extra = [[] for _ in range(n_known)] + [[last + 1 + a for a in ancestors(parents, i)]
+                                            for i in range(k)]
+    return store, rope, ctx, extra
 
 
 def ragged_inputs(token_lists: list[list[int]], starts: list[int], slots: list[int],
@@ -89,7 +132,16 @@ class ModelRunner:
             slots.append(r.slot)
             cu.append(cu[-1] + item.num_new_tokens)
             sample_rows.extend(range(cu[-1] - item.num_sample_rows, cu[-1]))
-        md, positions = build_metadata(starts, lens, slots, self.device)
+        if any(b.num_spec_tokens and b.request.spec_parents is not None for b in batch):
+            rows = [tree_rows(s, b.num_new_tokens - b.num_spec_tokens,
+                              b.request.spec_parents if b.num_spec_tokens else None,
+                              b.num_spec_tokens) for s, b in zip(starts, batch)]
+            md = build_tree_metadata(slots, [r[0] for r in rows], [r[2] for r in rows],
+                                     [r[3] for r in rows], self.device)
+            positions = torch.tensor([p for r in rows for p in r[1]], dtype=torch.long,
+                                     device=self.device)
+        else:
+            md, positions = build_metadata(starts, lens, slots, self.device)
         token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         aux = None
         if self.aux_layers:

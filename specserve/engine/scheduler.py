@@ -70,6 +70,8 @@ class Scheduler:
                 req.spec_token_ids = req.spec_token_ids[:k]
                 if req.spec_token_probs is not None:
                     req.spec_token_probs = req.spec_token_probs[:k]
+                if req.spec_parents is not None:        # the first k nodes are still a tree
+                    req.spec_parents = req.spec_parents[:k]
             out.append(ScheduledRequest(req, n + k, k, 1 + k if complete else 0))
         return out
 

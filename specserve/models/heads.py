@@ -148,6 +148,10 @@ class StatefulHead(nn.Module):
         """The most likely next token (a target id) for each output row [T, H]: [T]."""
         return self.to_target_ids(self.draft_logits(out).argmax(dim=-1))
 
+    def top_tokens(self, out: torch.Tensor, k: int) -> torch.Tensor:
+        """The k most likely next tokens (target ids, best first) for each row [T, H]: [T, k]."""
+        return self.to_target_ids(self.draft_logits(out).topk(k, dim=-1).indices)
+
     def greedy_tokens_with_prob(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """greedy_tokens(out) and the head's probability of each: ([T], [T])."""
         logits = self.draft_logits(out).float()                              # [T, V]

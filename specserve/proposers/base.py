@@ -16,6 +16,9 @@ if TYPE_CHECKING:
 class Proposal:
     token_ids: list[int]                  # <= the request's budget; may be empty
     probs: torch.Tensor | None = None     # [len(token_ids), vocab] draft probabilities, or None
+    # A draft tree: each token's parent (-1 = the last verified token), parents before children,
+    # siblings with distinct tokens. None = a chain. Trees are verified for greedy requests only.
+    parents: list[int] | None = None
 
 
 @dataclass(slots=True)

@@ -17,11 +17,12 @@ from __future__ import annotations
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.runner import ragged_inputs
+from specserve.engine.runner import build_tree_metadata, ragged_inputs
 from specserve.kv_cache import KVCache
 from specserve.models.head_loader import load_head
 from specserve.models.layers import Rotary
 from specserve.proposers.base import Proposal, ProposeBatch
+from specserve.token_tree import TokenTree, ancestors, node_depths
 
 
 class HeadProposer:
@@ -43,6 +44,7 @@ class HeadProposer:
         self.caches = [self.cache]
         self.device = engine.device
         self.threshold = config.draft_confidence_threshold
+        self.tree = config.token_tree()             # None: draft a chain
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs
         # request id -> target feature rows [n, F] for the positions after num_verified
@@ -88,6 +90,8 @@ class HeadProposer:
         if not drafting:
             return []
         state = torch.stack([last[id(r)] for r in drafting])               # [B, H]
+        if self.tree is not None and any(r.params.is_greedy for r in drafting):
+            return self._draft_trees(drafting, batch.max_num_tokens, state)
         drafts: list[list[int]] = [[] for _ in drafting]
         active = list(range(len(drafting)))
         while True:
@@ -108,6 +112,53 @@ class HeadProposer:
             state = self._run(sub, [[drafts[j][-1]] for j in active], state,
                               [r.num_tokens - 2 + len(drafts[j]) for r, j in zip(sub, active)])
         return [Proposal(d) for d in drafts]
+
+    def _draft_trees(self, reqs, budgets: list[int], state: torch.Tensor) -> list[Proposal]:
+        """Expand the token tree level by level: one head pass per level over every node that
+        has children, each node attending to the verified context and its own ancestors.
+        Sampled requests draft the chain (trees are verified greedily only)."""
+        trees = [(self.tree if r.params.is_greedy else TokenTree.chain(n)).truncated(n)
+                 for r, n in zip(reqs, budgets)]
+        parents = [t.parents for t in trees]
+        ranks = [t.ranks for t in trees]
+        depths = [node_depths(p) for p in parents]
+        tokens = [[0] * len(t) for t in trees]
+        outs: dict[tuple[int, int], torch.Tensor] = {(j, -1): state[j] for j in range(len(reqs))}
+
+        def fill(nodes: list[tuple[int, int]], rows: torch.Tensor) -> None:
+            # tokens of the children of each (request, node) from that node's head output [N, H]
+            kids = [[c for c, p in enumerate(parents[j]) if p == i] for j, i in nodes]
+            need = 1 + max((ranks[j][c] for (j, _), ks in zip(nodes, kids) for c in ks),
+                           default=0)
+            for (j, _), ks, top in zip(nodes, kids, self.head.top_tokens(rows, need).tolist()):
+                for c in ks:
+                    tokens[j][c] = top[ranks[j][c]]
+
+        fill([(j, -1) for j in range(len(reqs))], state)
+        for d in range(1, max(t.depth for t in trees)):
+            nodes = [(j, i) for j in range(len(reqs)) for i in sorted(set(parents[j]) - {-1})
+                     if depths[j][i] == d]
+            if not nodes:
+                break
+            by_req = [[i for jj, i in nodes if jj == j] for j in range(len(reqs))]
+            live = [j for j in range(len(reqs)) if by_req[j]]
+            last = [reqs[j].num_tokens - 2 for j in live]     # the last ingested head position
+            md = build_tree_metadata(
+                [reqs[j].slot for j in live],
+                [[p + 1 + i for i in by_req[j]] for j, p in zip(live, last)],
+                [[p + 1] * len(by_req[j]) for j, p in zip(live, last)],
+                [[[p + 1 + a for a in ancestors(parents[j], i)] for i in by_req[j]]
+                 for j, p in zip(live, last)], self.device)
+            order = [(j, i) for j in live for i in by_req[j]]
+            ids = torch.tensor([tokens[j][i] for j, i in order], device=self.device)
+            h = torch.stack([outs[(j, parents[j][i])] for j, i in order])       # [N, H]
+            positions = torch.tensor([p + d for j, p in zip(live, last) for _ in by_req[j]],
+                                     device=self.device)
+            o = self.head(ids, h, positions, md, self.cache.layers[0])          # [N, H]
+            outs.update({node: o[n] for n, node in enumerate(order)})
+            fill(order, o)
+        return [Proposal(toks, parents=None if t.is_chain else list(p))
+                for toks, t, p in zip(tokens, trees, parents)]
 
     def finish(self, request) -> None:
         self.num_verified.pop(request.request_id, None)

@@ -7,7 +7,8 @@ Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318). T
 Output tokens = accepted + recovered or bonus, so 1..k+1 tokens per request per step.
 
 Greedy (temperature 0): d_i is accepted iff it equals argmax p_i; the first mismatch emits
-argmax p_i. Random: accept d_i iff u < p_i(d_i) / q_i(d_i) with u ~ U[0, 1) in float64 from the
+argmax p_i. A draft tree (greedy only) keeps the path of nodes that each equal the target's
+argmax after their parent, then emits the argmax after the path's last node. Random: accept d_i iff u < p_i(d_i) / q_i(d_i) with u ~ U[0, 1) in float64 from the
 request's generator; q_i is one-hot on d_i when the proposer gives no probabilities. Target rows
 are processed with the request's temperature/top-k/top-p/min-p before the test. A request with
 k = 0 drafts gets ordinary sampling from its single row, so one path serves every request.
@@ -33,6 +34,7 @@ class VerifyRequest:
     draft_probs: torch.Tensor | None        # [k, V] proposer probabilities, None = one-hot drafts
     params: SamplingParams
     generator: torch.Generator
+    parents: list[int] | None = None        # a draft tree (greedy only), None = a chain
 
 
 def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "strict",
@@ -72,7 +74,10 @@ def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "stric
 
     for i, r in enumerate(reqs):
         k = len(r.draft_token_ids)
-        if r.params.is_greedy:
+        if r.parents is not None:
+            assert r.params.is_greedy and method != "synthetic", "trees are verified greedily"
+            emitted = _verify_greedy_tree(argmax[offsets[i]:offsets[i] + k + 1], r)
+        elif r.params.is_greedy:
             emitted = _verify_greedy(argmax[offsets[i]:offsets[i] + k + 1], r, method,
                                      synthetic_acceptance_rate)
         else:
@@ -100,6 +105,20 @@ def _verify_greedy(argmax: list[int], r: VerifyRequest, method: str, rate: float
         if not accepts[j]:
             return r.draft_token_ids[:j] + [argmax[j]]
     return r.draft_token_ids + [argmax[k]]
+
+
+def _verify_greedy_tree(argmax: list[int], r: VerifyRequest) -> list[int]:
+    # argmax[0]: the target's token after the last verified one; argmax[i + 1]: after node i.
+    # Follow the child that carries the target's token; emit the target's token where none does.
+    emitted, row = [], 0
+    while True:
+        tok = argmax[row]
+        emitted.append(tok)
+        child = next((i for i, (p, d) in enumerate(zip(r.parents, r.draft_token_ids))
+                      if p == row - 1 and d == tok), None)
+        if child is None:
+            return emitted
+        row = child + 1
 
 
 def _verify_random(p: torch.Tensor, r: VerifyRequest, method: str, rate: float | None

@@ -278,8 +278,8 @@ def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: in
     print(f"{method} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "
           f"trainable parameters; {len(ids) / 1e6:.2f}M training tokens", flush=True)
     log = train(head, ids, cfg, device, head_loss(method, head, target, k))
-    if not log or log[-1]["step"] < cfg.steps:
-        return {}
+    if not log or log[-1]["step"] != cfg.steps:
+        return {}    # stopped early (resume to finish), or a later stage already went past this one
     save_head(method, head, out, target_dir)
     result = evaluate_tau(target_dir, out, method, k)
     (out / "quality.json").write_text(json.dumps({"method": method, "k": k, **result,

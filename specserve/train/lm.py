@@ -107,6 +107,8 @@ def train_and_export(model, train_ids: np.ndarray, val: tuple[np.ndarray, int], 
         "val_bpb": evaluate_bpb(model, val_ids, val_bytes, cfg.seq_len, device, cfg.bf16)})
     if not log or log[-1]["step"] < cfg.steps:
         return float("nan")           # resume to finish
+    if log[-1]["step"] > cfg.steps:   # a later stage of a staged build already resumed past this one
+        return next(e["val_bpb"] for e in reversed(log) if "val_bpb" in e)
     bpb = log[-1]["val_bpb"]
     eos = HFTokenizer.from_file(str(tok_dir / "tokenizer.json")).token_to_id(EOS)
     export(model, Path(cfg.work_dir), tok_dir, out, eos, bpb)
