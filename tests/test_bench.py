@@ -44,3 +44,16 @@ def test_method_at_dir_compares_two_heads():
     assert got["draft_model@d2"][1]["model"] == "d2"
     with pytest.raises(SystemExit, match="ngram drafts without a model"):
         configs(_args("--methods", "ngram@x"))
+
+
+def test_method_plus_tree_drafts_the_token_tree():
+    tree = "[(0,), (1,), (0, 0)]"
+    got = configs(_args("--methods", "eagle3,eagle3+tree,mtp+tree@old/mtp", "--token-tree", tree))
+    assert got["eagle3"][1]["num_speculative_tokens"] == 4
+    assert got["eagle3+tree"][1] == {"method": "eagle3", "model": "models/code-target-eagle3",
+                                     "speculative_token_tree": tree}
+    assert got["mtp+tree@old/mtp"][0] == "old/mtp"
+    with pytest.raises(SystemExit, match="needs --token-tree"):
+        configs(_args("--methods", "eagle3+tree"))
+    with pytest.raises(SystemExit, match="only suffix"):
+        configs(_args("--methods", "eagle3+wide", "--token-tree", tree))

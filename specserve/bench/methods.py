@@ -34,7 +34,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default="available",
                    help="comma-separated, from " + ", ".join(METHODS) + "; default: every method "
                         "whose draft or head exists (heads at <target>-<method>); METHOD@DIR "
-                        "takes the draft or head from DIR (compare two heads side by side)")
+                        "takes the draft or head from DIR (compare two heads side by side); "
+                        "METHOD+tree drafts the --token-tree (eagle, eagle3, mtp)")
+    p.add_argument("--token-tree", default=None,
+                   help="speculative_token_tree for the METHOD+tree entries of --methods, e.g. "
+                        "\"[(0,), (1,), (0, 0), (0, 0, 0)]\"; K is its number of nodes")
     p.add_argument("--spec-extra", default=None,
                    help="JSON merged into every speculative_config, e.g. "
                         "'{\"disable_by_batch_size\": 8}'")
@@ -49,7 +53,13 @@ def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
     out = {}
     for name in names:
         m, _, path = name.partition("@")
+        m, plus, suffix = m.partition("+")
+        if plus and (suffix != "tree" or not a.token_tree):
+            raise SystemExit(f"{name!r}: the only suffix is '+tree', which needs --token-tree")
         model, spec = spec_config(m, a.num_speculative_tokens, a.target, a.draft)
+        if plus:
+            spec = {k: v for k, v in spec.items() if k != "num_speculative_tokens"} | {
+                "speculative_token_tree": a.token_tree}
         if path and m in ("ngram", "suffix"):
             raise SystemExit(f"{m} drafts without a model; drop '@{path}'")
         if path:

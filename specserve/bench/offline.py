@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from specserve.bench.methods import add_common_args, configs
+from specserve.token_tree import TokenTree
 from specserve.bench.prompts import PROMPT_SETS
 
 
@@ -184,6 +185,12 @@ def _plot(all_results: dict[str, list[Result]], path: Path) -> None:
     plt.close(fig)
 
 
+def _k_label(spec: dict) -> str:
+    if spec.get("speculative_token_tree"):
+        return f"tree of {len(TokenTree.parse(spec['speculative_token_tree']))}"
+    return f"K={spec['num_speculative_tokens']}"
+
+
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="specserve bench latency", description=__doc__)
     p.add_argument("mode", choices=["latency"])
@@ -208,7 +215,7 @@ def main(argv: list[str]) -> None:
         for batch in [int(b) for b in a.batch_sizes.split(",")]:
             # Fresh engines per suite so acceptance statistics belong to this suite only.
             runners = [SpecserveRunner("specserve no-spec", a.target, None, a.dtype)]
-            runners += [SpecserveRunner(f"specserve {m} (K={K})", model, spec, a.dtype)
+            runners += [SpecserveRunner(f"specserve {m} ({_k_label(spec)})", model, spec, a.dtype)
                         for m, (model, spec) in specs.items()]
             if not a.no_transformers and batch == 1:
                 runners += [TransformersRunner("transformers generate()", a.target, None, None,
