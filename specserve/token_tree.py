@@ -3,8 +3,10 @@ draft position, verified in one target pass.
 
 A tree is a list of paths of child ranks, e.g. `[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]`:
 `(0,)` is the drafter's best first token, `(1,)` its second best, `(0, 1)` the second best token
-after `(0,)`. Nodes are kept sorted by (depth, path), so every parent comes before its children
-and the first `n` nodes of a tree are again a tree (how a smaller draft budget truncates it).
+after `(0,)`. Nodes are kept in depth-first order (sorted paths): every parent comes before its
+children, so the first `n` nodes of a tree are again a tree (how a smaller draft budget
+truncates it), and the best-first chain comes first, so when it is accepted its KV is already
+where a chain's would be.
 On the wire a draft tree is flat: the node tokens plus, per node, the index of its parent
 (-1 = the last verified token).
 """
@@ -43,7 +45,7 @@ class TokenTree:
         for p in paths:
             if len(p) > 1 and p[:-1] not in have:
                 raise ValueError(f"{hint}; path {p} has no parent path {p[:-1]}")
-        return cls(tuple(sorted(paths, key=lambda p: (len(p), p))))
+        return cls(tuple(sorted(paths)))
 
     @classmethod
     def chain(cls, k: int) -> TokenTree:
@@ -64,7 +66,7 @@ class TokenTree:
 
     @property
     def depth(self) -> int:
-        return len(self.paths[-1]) if self.paths else 0
+        return max(map(len, self.paths), default=0)
 
     @property
     def is_chain(self) -> bool:

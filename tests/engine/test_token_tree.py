@@ -22,16 +22,16 @@ TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 
 def test_tree_parsing_and_config_errors():
     t = TokenTree.parse("[(0, 1), (1,), (0,), (0, 0)]")
-    assert t.paths == ((0,), (1,), (0, 0), (0, 1))          # sorted by (depth, path)
-    assert t.parents == [-1, -1, 0, 0] and t.ranks == [0, 1, 0, 1] and t.depth == 2
-    assert t.truncated(3).paths == ((0,), (1,), (0, 0)) and TokenTree.chain(3).is_chain
+    assert t.paths == ((0,), (0, 0), (0, 1), (1,))          # depth-first
+    assert t.parents == [-1, 0, 0, -1] and t.ranks == [0, 0, 1, 1] and t.depth == 2
+    assert t.truncated(3).paths == ((0,), (0, 0), (0, 1)) and TokenTree.chain(3).is_chain
     assert ancestors([-1, -1, 0, 2], 3) == [0, 2, 3]
     for bad, match in [("[(0, 0)]", "no parent path"), ("[(0,), (0,)]", "twice"),
                        ("[(-1,)]", "ranks >= 0"), ("nonsense(", "could not parse"), ("[]", "got")]:
         with pytest.raises(ValueError, match=match):
             TokenTree.parse(bad)
     cfg = SpeculativeConfig(method="eagle3", model="m", speculative_token_tree=TREE)
-    assert cfg.num_speculative_tokens == 6 and cfg.token_tree().parents == [-1, -1, 0, 0, 1, 2]
+    assert cfg.num_speculative_tokens == 6 and cfg.token_tree().parents == [-1, 0, 1, 0, -1, 4]
     assert SpeculativeConfig(method="eagle", model="m", speculative_token_tree="[(0,), (0, 0)]",
                              num_speculative_tokens=2).token_tree() is None     # a chain
     for over, match in [({"method": "ngram"}, "applies to eagle, eagle3, mtp"),
@@ -65,10 +65,10 @@ def test_tree_attention_equals_each_path_run_alone(llama_dir):
             dense = model.compute_logits(model(torch.tensor([seq]),
                                                torch.arange(len(seq))[None]))[0, -1]
             torch.testing.assert_close(tree_logits[1 + i], dense, atol=1e-4, rtol=1e-4)
-        # the KV of node 2 = (0, 0) sits at position 10 once moved there, as a chain puts it
-        cache.move(1, [9 + 2], [10])
+        # the KV of node 5 = (1, 0) sits at position 10 once moved there, as a chain puts it
+        cache.move(1, [9 + 4, 9 + 5], [9, 10])
         k_chain = make_kv_cache(model, 1, 64)
-        seq = prompt + [drafts[0], drafts[2]]
+        seq = prompt + [drafts[4], drafts[5]]
         md, pos = build_metadata([0], [len(seq)], [0], torch.device("cpu"))
         model(torch.tensor(seq), pos, md, k_chain.layers)
         for (k, _), (kc, _) in zip(cache.layers, k_chain.layers):
@@ -186,7 +186,7 @@ def test_head_trees_are_lossless(method, llama_dir, tmp_path):
     mixed = llm.generate(ps, [greedy, sampled] * 2, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[::2]] == ref[::2]
     assert len(mixed[1].outputs[0].token_ids) == 12
-    assert any(p.parents == [-1, -1, 0, 0, 1, 2] for p in seen)     # greedy: the tree
+    assert any(p.parents == [-1, 0, 1, 0, -1, 4] for p in seen)     # greedy: the tree
     assert any(p.parents is None and len(p.token_ids) > 1 for p in seen)   # sampled: a chain
     for p in seen:
         if p.parents:                         # siblings carry distinct tokens
