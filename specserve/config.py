@@ -103,7 +103,7 @@ def load_json_or_yaml_arg(value: str | None) -> dict | None:
 HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")    # read target hidden states
 METHODS = ("ngram", "suffix", "draft_model", *HEAD_METHODS)
 REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
-TREE_METHODS = ("eagle", "eagle3", "mtp")          # drafters that can expand a token tree
+TREE_METHODS = ("eagle", "eagle3", "medusa", "mtp")    # drafters that can expand a token tree
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
 
 
@@ -144,7 +144,7 @@ class SpeculativeConfig:
         "help": "draft_model, eagle, eagle3, mtp: stop a request's drafts at the first token "
                 "the drafter gives less than this probability (0 = always K)"})
     speculative_token_tree: str | list | None = field(default=None, metadata={
-        "help": "eagle, eagle3, mtp: verify a tree of candidates, a list of paths of child "
+        "help": "eagle, eagle3, medusa, mtp: verify a tree of candidates, a list of paths of child "
                 "ranks such as \"[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]\" (greedy requests; "
                 "sampled ones draft the chain); K = the number of nodes"})
     adaptive_k: bool = field(default=False, metadata={

@@ -22,7 +22,7 @@ from specserve.kv_cache import KVCache
 from specserve.models.head_loader import load_head
 from specserve.models.layers import Rotary
 from specserve.proposers.base import Proposal, ProposeBatch
-from specserve.token_tree import TokenTree, ancestors, node_depths
+from specserve.token_tree import ancestors, draft_tree, node_depths
 
 
 class HeadProposer:
@@ -117,8 +117,7 @@ class HeadProposer:
         """Expand the token tree level by level: one head pass per level over every node that
         has children, each node attending to the verified context and its own ancestors.
         Sampled requests draft the chain (trees are verified greedily only)."""
-        trees = [(self.tree if r.params.is_greedy else TokenTree.chain(n)).truncated(n)
-                 for r, n in zip(reqs, budgets)]
+        trees = [draft_tree(self.tree, r, n) for r, n in zip(reqs, budgets)]
         parents = [t.parents for t in trees]
         ranks = [t.ranks for t in trees]
         depths = [node_depths(p) for p in parents]

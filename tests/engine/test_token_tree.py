@@ -15,7 +15,7 @@ from specserve.models.loader import load_model
 from specserve.proposers.base import Proposal
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.token_tree import TokenTree, accepted_path, ancestors
-from tests.proposers.test_heads import eagle3_ckpt, eagle_ckpt, mtp_target
+from tests.proposers.test_heads import eagle3_ckpt, eagle_ckpt, medusa_ckpt, mtp_target
 
 TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 
@@ -34,7 +34,7 @@ def test_tree_parsing_and_config_errors():
     assert cfg.num_speculative_tokens == 6 and cfg.token_tree().parents == [-1, 0, 1, 0, -1, 4]
     assert SpeculativeConfig(method="eagle", model="m", speculative_token_tree="[(0,), (0, 0)]",
                              num_speculative_tokens=2).token_tree() is None     # a chain
-    for over, match in [({"method": "ngram"}, "applies to eagle, eagle3, mtp"),
+    for over, match in [({"method": "ngram"}, "applies to eagle, eagle3, medusa, mtp"),
                         ({"num_speculative_tokens": 4}, "must equal the number of nodes"),
                         ({"rejection_sample_method": "synthetic",
                           "synthetic_acceptance_rate": 0.5}, "synthetic"),
@@ -162,12 +162,13 @@ def test_engine_accepts_any_branch(llama_dir):
     assert oracle.hidden_checked > 40
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "mtp"])
 def test_head_trees_are_lossless(method, llama_dir, tmp_path):
     target = str(mtp_target(tmp_path / "t")) if method == "mtp" else str(llama_dir)
     spec = {"method": method, "speculative_token_tree": TREE}
     if method != "mtp":
-        spec["model"] = str((eagle_ckpt if method == "eagle" else eagle3_ckpt)(tmp_path / "h"))
+        make = {"eagle": eagle_ckpt, "eagle3": eagle3_ckpt, "medusa": medusa_ckpt}[method]
+        spec["model"] = str(make(tmp_path / "h"))
     g = torch.Generator().manual_seed(4)
     ps = [TokensPrompt(prompt_token_ids=torch.randint(0, 95, (int(n),), generator=g).tolist())
           for n in (4, 9, 15, 22)]
@@ -187,10 +188,17 @@ def test_head_trees_are_lossless(method, llama_dir, tmp_path):
     assert [o.outputs[0].token_ids for o in mixed[::2]] == ref[::2]
     assert len(mixed[1].outputs[0].token_ids) == 12
     assert any(p.parents == [-1, 0, 1, 0, -1, 4] for p in seen)     # greedy: the tree
-    assert any(p.parents is None and len(p.token_ids) > 1 for p in seen)   # sampled: a chain
+    # sampled: the chain, as deep as the tree
+    assert any(p.parents is None and len(p.token_ids) == 3 for p in seen)
     for p in seen:
         if p.parents:                         # siblings carry distinct tokens
             kids = {}
             for t, par in zip(p.token_ids, p.parents):
                 assert t not in kids.setdefault(par, set())
                 kids[par].add(t)
+
+
+def test_medusa_tree_deeper_than_its_heads_is_an_error(llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="3 deep but this medusa checkpoint predicts 2 tokens"):
+        LLM(str(llama_dir), device="cpu", speculative_config={
+            "model": str(medusa_ckpt(tmp_path / "m", heads=2)), "speculative_token_tree": TREE})
