@@ -169,13 +169,14 @@ class MLP(nn.Module):
 
 
 class DecodeLinear(nn.Module):
-    """Inference-only float32 CPU linear over a oneDNN-packed copy of its weight.
+    """Inference-only float32 or bfloat16 CPU linear over a oneDNN-packed copy of its weight.
 
     MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding: a verify step
     of 1+k rows cost well over a one-row decode step. oneDNN with the weight reordered once
-    for a multi-row layout keeps the cost nearly flat from 1 to 16 rows, and a one-row step is
-    cheaper too (`specserve bench latency`, runs 3, 4 and 7 in benchmarks/RESULTS.md). The
-    price is a second copy of the weights.
+    for a multi-row layout keeps the cost nearly flat from 1 to about 8 rows, and a one-row step
+    is cheaper too (`specserve bench latency`, runs 3, 4 and 7 in benchmarks/RESULTS.md). In
+    bfloat16 the packed kernel also beats F.linear's (run 13). The price is a second copy of
+    the weights.
     """
 
     PACK_ROWS = 16
@@ -198,11 +199,11 @@ class DecodeLinear(nn.Module):
 
 
 def use_decode_linears(model: nn.Module) -> nn.Module:
-    """Swap every nn.Linear of a float32 CPU inference model for a DecodeLinear (in place).
-
-    Other cases keep nn.Linear: CUDA has cuBLAS, and CPU bfloat16 already runs on oneDNN."""
+    """Swap every nn.Linear of a float32 or bfloat16 CPU inference model for a DecodeLinear
+    (in place). Other cases keep nn.Linear: CUDA has cuBLAS; float16, and bfloat16 on a CPU
+    without native bfloat16 instructions, have no fast oneDNN kernel."""
     w = next(model.parameters())
-    if w.device.type != "cpu" or w.dtype != torch.float32 or not _onednn_linear_available():
+    if w.device.type != "cpu" or not _onednn_linear_available(w.dtype):
         return model
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -211,10 +212,14 @@ def use_decode_linears(model: nn.Module) -> nn.Module:
     return model
 
 
-def _onednn_linear_available() -> bool:
+def _onednn_linear_available(dtype: torch.dtype) -> bool:
     try:
         ops = (torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight)
-        return torch.backends.mkldnn.is_available() and all(op is not None for op in ops)
+        if not torch.backends.mkldnn.is_available() or any(op is None for op in ops):
+            return False
+        if dtype == torch.bfloat16:
+            return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return dtype == torch.float32
     except (AttributeError, RuntimeError):
         return False
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specserve.engine.runner import build_metadata
@@ -108,6 +109,20 @@ def test_decode_linear_matches_linear():
             assert t.allclose(dl(x), lin(x), atol=1e-5)
     seq = use_decode_linears(t.nn.Sequential(t.nn.Linear(4, 4), t.nn.ReLU(), t.nn.Linear(4, 2)))
     assert [type(m).__name__ for m in seq] == ["DecodeLinear", "ReLU", "DecodeLinear"]
+    half = use_decode_linears(t.nn.Sequential(t.nn.Linear(4, 4)).half())
+    assert type(half[0]).__name__ == "Linear"                # no packed float16 kernel
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has no native bfloat16: bfloat16 keeps nn.Linear")
+def test_bfloat16_decode_linear_matches_linear():
+    from specserve.models.layers import DecodeLinear
+    for bias in (False, True):
+        lin = torch.nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
+        dl = DecodeLinear(lin)
+        for x in (torch.randn(1, 64), torch.randn(5, 64), torch.randn(2, 7, 64)):
+            x = x.to(torch.bfloat16)
+            torch.testing.assert_close(dl(x).float(), lin(x).float(), atol=2e-2, rtol=2e-2)
 
 
 def test_engine_model_uses_packed_weights_and_matches_transformers(hf_model):
