@@ -145,8 +145,7 @@ class SpeculativeConfig:
                 "the drafter gives less than this probability (0 = always K)"})
     speculative_token_tree: str | list | None = field(default=None, metadata={
         "help": "eagle, eagle3, medusa, mtp: verify a tree of candidates, a list of paths of child "
-                "ranks such as \"[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]\" (greedy requests; "
-                "sampled ones draft the chain); K = the number of nodes"})
+                "ranks such as \"[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]\"; K = the number of nodes"})
     adaptive_k: bool = field(default=False, metadata={
         "help": "choose K per step (0..num_speculative_tokens) for the most tokens/s, from "
                 "measured acceptance and step times at the current batch size"})
@@ -272,7 +271,7 @@ class SpeculativeConfig:
                              "combined: the tree fixes which candidates are drafted")
 
     def token_tree(self) -> TokenTree | None:
-        """The draft tree for greedy requests, None for a chain (the default)."""
+        """The draft tree, None for a chain (the default)."""
         if self.speculative_token_tree is None:
             return None
         tree = TokenTree.parse(self.speculative_token_tree)

@@ -77,14 +77,6 @@ class TokenTree:
         return TokenTree(self.paths[:n])
 
 
-def draft_tree(tree: TokenTree, request, budget: int) -> TokenTree:
-    """The tree a request drafts under a budget of `budget` tokens: `tree` for greedy requests;
-    sampled ones (verified as a chain) get the best-first chain, as deep as the tree."""
-    if not request.params.is_greedy:
-        tree = TokenTree.chain(tree.depth)
-    return tree.truncated(budget)
-
-
 def node_depths(parents: list[int]) -> list[int]:
     """Depth of each node (children of the root: 1); parents precede children."""
     depths: list[int] = []

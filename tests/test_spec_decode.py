@@ -123,8 +123,9 @@ PROMPT8 = [1, 2, 3, 1, 2]
 TOP_K = 3
 
 
-def _params(i: int) -> SamplingParams:
-    return SamplingParams(temperature=1.0, top_k=TOP_K, seed=i, max_tokens=3, ignore_eos=True)
+def _params(i: int, max_tokens: int = 3) -> SamplingParams:
+    return SamplingParams(temperature=1.0, top_k=TOP_K, seed=i, max_tokens=max_tokens,
+                          ignore_eos=True)
 
 
 def _exact_pair_distribution(target) -> torch.Tensor:
@@ -147,10 +148,10 @@ def _exact_pair_distribution(target) -> torch.Tensor:
     return exact
 
 
-def _token_hist(llm, n: int, offset: int) -> torch.Tensor:
+def _token_hist(llm, n: int, offset: int, max_tokens: int = 3) -> torch.Tensor:
     """Empirical joint distribution of generated tokens 2 and 3 (both from verify steps)."""
     outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT8)] * n,
-                        [_params(i + offset) for i in range(n)], use_tqdm=False)
+                        [_params(i + offset, max_tokens) for i in range(n)], use_tqdm=False)
     hist = torch.zeros(8, 8)
     for o in outs:
         a, b = o.outputs[0].token_ids[1:3]
@@ -189,17 +190,30 @@ def test_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs,
     assert tv < TV_BOUND, f"total variation {tv:.3f} from the target's exact distribution"
 
 
-def test_eagle3_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs, tmp_path):
+@pytest.mark.parametrize("shape, seed", [
+    ({"num_speculative_tokens": 2}, 11),
+    # a head whose second-best first token often lies in the target's top 3
+    ({"speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0)]"}, 19)], ids=["chain", "tree"])
+def test_eagle3_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs, tmp_path,
+                                                    shape, seed, monkeypatch):
     """A head over a reduced draft vocabulary (5 of the 8 ids reachable through d2t), whose
-    greedy drafts the strict verifier treats as one-hot."""
+    greedy drafts the strict verifier treats as one-hot; as a chain, and as a tree whose
+    second-best branch must also keep the distribution."""
     from tests.proposers.test_heads import eagle3_ckpt
-    head = eagle3_ckpt(tmp_path / "e3", draft_vocab=5, vocab=8, seed=11)
+    head = eagle3_ckpt(tmp_path / "e3", draft_vocab=5, vocab=8, seed=seed)
     llm = LLM(str(small_vocab_pair[0]), device="cpu", max_num_seqs=64, max_num_batched_tokens=512,
-              speculative_config={"model": str(head), "num_speculative_tokens": 2})
+              speculative_config={"model": str(head)} | shape)
     assert llm.engine.spec.method == "eagle3"
-    tv = 0.5 * (_token_hist(llm, N_SAMPLES, 200_000) - exact_pairs).abs().sum().item()
+    import specserve.engine.engine as engine_module
+    paths, real = [], engine_module.accepted_path
+    monkeypatch.setattr(engine_module, "accepted_path", lambda *a: paths.append(real(*a)) or paths[-1])
+    # 6 tokens: room for the whole tree after the first (a budget of 2 truncates it to a chain)
+    hist = _token_hist(llm, N_SAMPLES, 200_000, max_tokens=6)
+    tv = 0.5 * (hist - exact_pairs).abs().sum().item()
     rate = llm.get_metrics()["acceptance_rate"]
     assert 0.05 < rate < 0.95                                 # accepts and rejections both seen
+    if "speculative_token_tree" in shape:                     # the second-best branch was taken
+        assert sum(1 for p in paths if p[:1] == [2]) > 200
     assert tv < TV_BOUND, f"total variation {tv:.3f} from the target's exact distribution"
 
 

@@ -22,7 +22,7 @@ from specserve.kv_cache import KVCache
 from specserve.models.head_loader import load_head
 from specserve.models.layers import Rotary
 from specserve.proposers.base import Proposal, ProposeBatch
-from specserve.token_tree import ancestors, draft_tree, node_depths
+from specserve.token_tree import ancestors, node_depths
 
 
 class HeadProposer:
@@ -90,7 +90,7 @@ class HeadProposer:
         if not drafting:
             return []
         state = torch.stack([last[id(r)] for r in drafting])               # [B, H]
-        if self.tree is not None and any(r.params.is_greedy for r in drafting):
+        if self.tree is not None:
             return self._draft_trees(drafting, batch.max_num_tokens, state)
         drafts: list[list[int]] = [[] for _ in drafting]
         active = list(range(len(drafting)))
@@ -115,9 +115,8 @@ class HeadProposer:
 
     def _draft_trees(self, reqs, budgets: list[int], state: torch.Tensor) -> list[Proposal]:
         """Expand the token tree level by level: one head pass per level over every node that
-        has children, each node attending to the verified context and its own ancestors.
-        Sampled requests draft the chain (trees are verified greedily only)."""
-        trees = [draft_tree(self.tree, r, n) for r, n in zip(reqs, budgets)]
+        has children, each node attending to the verified context and its own ancestors."""
+        trees = [self.tree.truncated(n) for n in budgets]
         parents = [t.parents for t in trees]
         ranks = [t.ranks for t in trees]
         depths = [node_depths(p) for p in parents]

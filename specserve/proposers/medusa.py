@@ -8,7 +8,7 @@ from specserve.config import SpeculativeConfig
 from specserve.models.head_loader import load_head
 from specserve.proposers.base import Proposal, ProposeBatch
 from specserve.proposers.heads_common import check_k, last_hidden_rows
-from specserve.token_tree import draft_tree, node_depths
+from specserve.token_tree import node_depths
 
 
 class MedusaProposer:
@@ -36,8 +36,8 @@ class MedusaProposer:
         # with rank r is head d-1's r-th best token.
         top = logits.topk(1 + max(self.tree.ranks), dim=-1).indices.tolist()  # [B, heads, r]
         out = []
-        for r, k, cand in zip(batch.requests, batch.max_num_tokens, top):
-            tree = draft_tree(self.tree, r, k)
+        for k, cand in zip(batch.max_num_tokens, top):
+            tree = self.tree.truncated(k)
             toks = [cand[d - 1][rank] for d, rank in zip(node_depths(tree.parents), tree.ranks)]
             out.append(Proposal(toks, parents=None if tree.is_chain else tree.parents))
         return out

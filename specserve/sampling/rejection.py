@@ -7,8 +7,9 @@ Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318). T
 Output tokens = accepted + recovered or bonus, so 1..k+1 tokens per request per step.
 
 Greedy (temperature 0): d_i is accepted iff it equals argmax p_i; the first mismatch emits
-argmax p_i. A draft tree (greedy only) keeps the path of nodes that each equal the target's
-argmax after their parent, then emits the argmax after the path's last node. Random: accept d_i iff u < p_i(d_i) / q_i(d_i) with u ~ U[0, 1) in float64 from the
+argmax p_i. A draft tree keeps, greedily, the path of nodes that each equal the target's argmax
+after their parent, then emits the argmax after the path's last node; under sampling it tries a
+node's children one after another against the residual distribution (`_verify_random_tree`). Random: accept d_i iff u < p_i(d_i) / q_i(d_i) with u ~ U[0, 1) in float64 from the
 request's generator; q_i is one-hot on d_i when the proposer gives no probabilities. Target rows
 are processed with the request's temperature/top-k/top-p/min-p before the test. A request with
 k = 0 drafts gets ordinary sampling from its single row, so one path serves every request.
@@ -34,7 +35,7 @@ class VerifyRequest:
     draft_probs: torch.Tensor | None        # [k, V] proposer probabilities, None = one-hot drafts
     params: SamplingParams
     generator: torch.Generator
-    parents: list[int] | None = None        # a draft tree (greedy only), None = a chain
+    parents: list[int] | None = None        # a draft tree (one-hot drafts), None = a chain
 
 
 def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "strict",
@@ -75,8 +76,9 @@ def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "stric
     for i, r in enumerate(reqs):
         k = len(r.draft_token_ids)
         if r.parents is not None:
-            assert r.params.is_greedy and method != "synthetic", "trees are verified greedily"
-            emitted = _verify_greedy_tree(argmax[offsets[i]:offsets[i] + k + 1], r)
+            assert method != "synthetic", "synthetic acceptance is defined for chains only"
+            emitted = (_verify_greedy_tree(argmax[offsets[i]:offsets[i] + k + 1], r)
+                       if r.params.is_greedy else _verify_random_tree(probs_of[i], r))
         elif r.params.is_greedy:
             emitted = _verify_greedy(argmax[offsets[i]:offsets[i] + k + 1], r, method,
                                      synthetic_acceptance_rate)
@@ -119,6 +121,30 @@ def _verify_greedy_tree(argmax: list[int], r: VerifyRequest) -> list[int]:
         if child is None:
             return emitted
         row = child + 1
+
+
+def _verify_random_tree(p: torch.Tensor, r: VerifyRequest) -> list[int]:
+    # p: [k + 1, V] processed target probabilities; row 0 after the last verified token, row
+    # i + 1 after node i. A node's children are tried in turn as one-hot drafts against what is
+    # left of the target's distribution: child c passes with probability residual(d_c) /
+    # sum(residual), else d_c leaves the residual. Each test is the strict test of a one-hot
+    # draft against the (renormalised) residual, so whichever token comes out - a child's, or a
+    # draw from the final residual - has the target's distribution (SpecInfer's multi-draft rule
+    # for deterministic drafts). Then the same happens below the accepted child.
+    g = r.generator
+    emitted, node = [], -1
+    while True:
+        residual = p[node + 1].double().clone()
+        for child in (c for c, q in enumerate(r.parents) if q == node):
+            tok = r.draft_token_ids[child]
+            u = torch.rand((), dtype=torch.float64, generator=g, device=g.device)
+            if u * residual.sum() < residual[tok]:
+                emitted.append(tok)
+                node = child
+                break
+            residual[tok] = 0
+        else:
+            return emitted + [sample_from(residual, g)]
 
 
 def _verify_random(p: torch.Tensor, r: VerifyRequest, method: str, rate: float | None

@@ -1,6 +1,6 @@
 """Draft token trees: parsing, tree attention (each node sees exactly its path), greedy tree
-verification, the engine accepting any branch (KV, hidden rows and logprobs moved into place),
-and head proposers drafting trees losslessly."""
+verification (sampled: tests/sampling/test_rejection.py), the engine accepting any branch (KV,
+hidden rows and logprobs moved into place), and head proposers drafting trees losslessly."""
 
 from __future__ import annotations
 
@@ -187,9 +187,8 @@ def test_head_trees_are_lossless(method, llama_dir, tmp_path):
     mixed = llm.generate(ps, [greedy, sampled] * 2, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[::2]] == ref[::2]
     assert len(mixed[1].outputs[0].token_ids) == 12
-    assert any(p.parents == [-1, 0, 1, 0, -1, 4] for p in seen)     # greedy: the tree
-    # sampled: the chain, as deep as the tree
-    assert any(p.parents is None and len(p.token_ids) == 3 for p in seen)
+    assert any(p.parents == [-1, 0, 1, 0, -1, 4] for p in seen)     # the tree, for all requests
+    assert all(p.parents is not None for p in seen if len(p.token_ids) > 3)   # 3: a chain
     for p in seen:
         if p.parents:                         # siblings carry distinct tokens
             kids = {}

@@ -99,3 +99,61 @@ def test_synthetic_acceptance_rate():
     accepted_first = (out[:, 0] == 1).float().mean().item()
     assert abs(accepted_first - 0.6) < 0.08
     assert (verify(logits[:4], reqs[:1], "synthetic", 1.0)[0, :3] == 1).all()
+
+
+def _tree_hists(seed: int = 3, n: int = N):
+    """Sampled verification of the tree root -> a, b; a -> c with fixed drafts: histograms of
+    the first token, and of the second after a and after b, with the target rows they follow."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, V, generator=g) * 1.5       # rows: root, after a, after c, after b
+    params = SamplingParams(temperature=1.0)
+    p = process_logits(logits.clone(), [params] * 4)
+    top0 = p[0].argsort(descending=True).tolist()
+    a, b, c = top0[0], top0[1], int(p[1].argmax())
+    parents, drafts = [-1, 0, -1], [a, c, b]            # depth-first: a, c (under a), b
+    rows = logits[[0, 1, 2, 3]]
+    gen = torch.Generator().manual_seed(seed + 1)
+    first, after_a, after_b = torch.zeros(V), torch.zeros(V), torch.zeros(V)
+    batch = 500
+    for _ in range(n // batch):
+        reqs = [VerifyRequest(drafts, None, params, gen, parents) for _ in range(batch)]
+        out = verify(rows.repeat(batch, 1), reqs)
+        first += torch.bincount(out[:, 0], minlength=V).float()
+        for row in out.tolist():
+            if row[0] == a:
+                after_a[row[1]] += 1
+            elif row[0] == b:
+                after_b[row[1]] += 1
+    norm = lambda h: h / h.sum()                         # noqa: E731
+    return (norm(first), p[0]), (norm(after_a), p[1]), (norm(after_b), p[3])
+
+
+def test_tree_verifier_reproduces_target_distribution():
+    """Under sampling, a tree's children are tried in turn against the residual: the first
+    token, and the token after each accepted child, follow the target's rows."""
+    for hist, p in _tree_hists():
+        tv = 0.5 * (hist - p).abs().sum().item()
+        assert tv < 0.04, f"total variation {tv:.4f} from the target distribution"
+
+
+def test_wrong_tree_verifier_fails_the_bound(monkeypatch):
+    """Trying the second child against the full distribution instead of the residual (the
+    first child's token not removed) must fail the same test."""
+    real_rand = torch.rand
+
+    def residual_kept(p, r):
+        g, emitted, node = r.generator, [], -1
+        while True:
+            dist = p[node + 1].double()
+            for child in (c for c, q in enumerate(r.parents) if q == node):
+                tok = r.draft_token_ids[child]
+                if real_rand((), dtype=torch.float64, generator=g) < dist[tok] / dist.sum():
+                    emitted.append(tok)
+                    node = child
+                    break
+            else:
+                return emitted + [rejection.sample_from(dist, g)]
+
+    monkeypatch.setattr(rejection, "_verify_random_tree", residual_kept)
+    first = _tree_hists()[0]
+    assert 0.5 * (first[0] - first[1]).abs().sum().item() > 0.04
