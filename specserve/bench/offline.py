@@ -69,10 +69,12 @@ class SpecserveRunner:
                        max_num_seqs=16, max_num_batched_tokens=2048)
         self.spec = spec
 
-    def run(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
-        """Greedy output token ids of each prompt."""
+    def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0
+            ) -> list[list[int]]:
+        """Output token ids of each prompt (seeded per prompt when sampling)."""
         from specserve import SamplingParams
-        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        sp = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
+                             ignore_eos=True) for i in range(len(prompts))]
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
@@ -109,13 +111,15 @@ class TransformersRunner:
             self.kw["prompt_lookup_num_tokens"] = prompt_lookup
 
     @torch.inference_mode()
-    def run(self, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0
+            ) -> list[list[int]]:
         outs = []
+        sample = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {
+            "do_sample": False}
         for p in prompts:
             ids = torch.tensor([self.tok(p)["input_ids"]])
             out = self.model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                      do_sample=False, pad_token_id=self.tok.eos_token_id,
-                                      **self.kw)
+                                      pad_token_id=self.tok.eos_token_id, **sample, **self.kw)
             outs.append(out[0, ids.shape[1]:].tolist())
         return outs
 
@@ -126,10 +130,10 @@ class TransformersRunner:
         return None
 
 
-def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: int
-              ) -> list[Result]:
+def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: int,
+              temperature: float = 0.0) -> list[Result]:
     """Runs every runner on every prompt group per round; the first runner is the reference
-    whose greedy outputs the others are compared with."""
+    whose greedy outputs the others are compared with (not when sampling)."""
     results = {r.name: Result(r.name) for r in runners}
     outputs: dict[str, list[list[int]]] = {}
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
@@ -141,12 +145,13 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
             if isinstance(r, TransformersRunner) and batch > 1:
                 continue
             t = time.perf_counter()
-            outputs[r.name] = [ids for g in groups for ids in r.run(g, max_tokens)]
+            outputs[r.name] = [ids for g in groups for ids in r.run(g, max_tokens, temperature)]
             n = sum(len(ids) for ids in outputs[r.name])
             results[r.name].tokens_per_s.append(n / (time.perf_counter() - t))
     ref = outputs[runners[0].name]
     for name, outs in outputs.items():
-        results[name].same_output = f"{sum(a == b for a, b in zip(outs, ref))}/{len(ref)}"
+        if not temperature:
+            results[name].same_output = f"{sum(a == b for a, b in zip(outs, ref))}/{len(ref)}"
     for r in runners:
         acc = r.acceptance()
         if acc:
@@ -201,6 +206,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (outputs compared with no-spec); > 0 samples, seeded per prompt")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
     p.add_argument("--title", default="Offline latency: specserve methods and transformers")
     a = p.parse_args(argv)
@@ -226,7 +233,8 @@ def main(argv: list[str]) -> None:
                                                None, K, a.dtype)]
             key = f"{set_name}, batch {batch}"
             print(f"== {key}", flush=True)
-            all_results[key] = run_suite(runners, prompts, batch, a.max_tokens, a.rounds)
+            all_results[key] = run_suite(runners, prompts, batch, a.max_tokens, a.rounds,
+                                         a.temperature)
             print(_table(all_results[key], "specserve no-spec"), flush=True)
     wb = weight_bytes(SpecserveRunner("w", a.target, None, a.dtype).llm.engine.model)
     cmd = "specserve bench " + " ".join(argv)
@@ -239,7 +247,8 @@ def main(argv: list[str]) -> None:
              f"{torch.get_num_threads()} torch threads, {platform.processor() or 'cpu'}; "
              f"torch {torch.__version__}",
              f"- command: `{cmd}`",
-             f"- target {a.target}, draft {a.draft}, dtype {a.dtype}, greedy, "
+             f"- target {a.target}, draft {a.draft}, dtype {a.dtype}, "
+             f"{'greedy' if not a.temperature else f'temperature {a.temperature}'}, "
              f"speculative_config extra: {a.spec_extra or 'none'}, "
              f"{a.num_prompts} prompts x {a.max_tokens} new tokens, median of {a.rounds} rounds",
              f"- measured read bandwidth {bw:.1f} GB/s; target weights streamed per step "
