@@ -142,8 +142,8 @@ def cmd_zoo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from specserve.bench import offline, serve
-    modes = {"latency": offline.main, "serve": serve.main}
+    from specserve.bench import offline, serve, tree
+    modes = {"latency": offline.main, "serve": serve.main, "tree": tree.main}
     if not args.bench_args or args.bench_args[0] not in modes:
         raise SystemExit(f"usage: specserve bench {{{','.join(modes)}}} [--help]")
     modes[args.bench_args[0]](args.bench_args)

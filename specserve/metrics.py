@@ -12,6 +12,8 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # draft trees: how often each node of the configured tree was on the accepted path
+    num_accepted_tokens_per_node: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.num_accepted_tokens_per_pos:
@@ -27,6 +29,13 @@ class SpecDecodingStats:
         per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
         for pos in range(num_accepted):
             per_pos[pos] += 1
+
+    def observe_tree_path(self, path: list[int]) -> None:
+        """The accepted nodes (indices into the draft tree) of one verified draft tree."""
+        per_node = self.num_accepted_tokens_per_node
+        per_node.extend([0] * (max(path, default=-1) + 1 - len(per_node)))
+        for node in path:
+            per_node[node] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -48,7 +57,8 @@ class SpecDecodingStats:
             "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_rate": self.acceptance_rate,
-        }
+        } | ({"spec_decode_num_accepted_tokens_per_node": list(self.num_accepted_tokens_per_node)}
+             if self.num_accepted_tokens_per_node else {})
 
     def log_line(self, elapsed_s: float) -> str:
         per_pos = ", ".join(f"{a:.3f}" for a in self.per_position_acceptance())

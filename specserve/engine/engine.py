@@ -195,6 +195,7 @@ class LLMEngine:
         its KV to the positions after the last verified token, its hidden-state rows (which
         the proposer reads) likewise. Returns its logits rows in emitted-token order."""
         path = accepted_path(v.parents, v.draft_token_ids, tokens)
+        self.spec_stats.observe_tree_path(path)
         if path == list(range(len(path))):          # the first-child chain: already in place
             return logits
         n_known = b.num_new_tokens - b.num_spec_tokens

@@ -159,6 +159,8 @@ def test_engine_accepts_any_branch(llama_dir):
     m = llm.get_metrics()
     # right branch taken 2 of 3 steps: about 2 accepted tokens per step when it is
     assert m["spec_decode_num_accepted_tokens"] > m["spec_decode_num_drafts"]
+    per_node = m["spec_decode_num_accepted_tokens_per_node"]
+    assert sum(per_node) == m["spec_decode_num_accepted_tokens"] and min(per_node[:4]) > 0
     assert oracle.hidden_checked > 40
 
 
@@ -201,3 +203,16 @@ def test_medusa_tree_deeper_than_its_heads_is_an_error(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="3 deep but this medusa checkpoint predicts 2 tokens"):
         LLM(str(llama_dir), device="cpu", speculative_config={
             "model": str(medusa_ckpt(tmp_path / "m", heads=2)), "speculative_token_tree": TREE})
+
+
+def test_best_trees_from_node_rates():
+    from specserve.bench.tree import best_trees, measurement_tree
+    tree = measurement_tree(3, 1)              # ranks summing to <= 1, depth <= 3: 9 nodes
+    assert len(tree) == 9 and tree.paths[:3] == ((0,), (0, 0), (0, 0, 0))
+    rate = {(0,): .8, (0, 0): .6, (0, 0, 0): .4, (0, 0, 1): .1, (0, 1): .1, (0, 1, 0): .1,
+            (1,): .1, (1, 0): .05, (1, 0, 0): 0.0}
+    rows = best_trees(tree, [rate[p] for p in tree.paths], [3, 5, 9])
+    assert rows[0][2].paths == ((0,), (0, 0), (0, 0, 0)) and abs(rows[0][1] - 2.8) < 1e-9
+    # ties at 0.1: shallower first, so (0, 1) comes before its child (0, 1, 0)
+    assert rows[1][2].paths == ((0,), (0, 0), (0, 0, 0), (0, 1), (1,))
+    assert rows[2][0] == 8                     # the never-accepted node is left out
