@@ -2,6 +2,8 @@
 
 All scheduled tokens form one flat ragged batch (request-major). For each request the runner
 feeds the tokens it lacks KV for followed by its drafts, so a verify step is `[last, d1..dk]`.
+Drafts that form a tree (`Request.spec_parents`) are stored in that order too, but rotated at
+their depth and masked to see only their ancestors (`tree_rows`, `build_tree_metadata`).
 """
 
 from __future__ import annotations
