@@ -224,7 +224,7 @@ def test_unlikelihood_fine_tuning_reduces_greedy_repeats(tiny_lm, small_corpus, 
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=30, batch_size=4, seq_len=64,
                       lr=2e-3, warmup=2, eval_every=30, bf16=False, device="cpu")
     # the tiny model is nearly uniform: its repeats have small p, hence a large weight
-    ul = UnlikelihoodConfig(ul_weight=20.0, prefix_len=16, rollout_len=48)
+    ul = UnlikelihoodConfig(ul_weight=20.0, prefix_len=16, rollout_len=48, ngram=4)
     bpb = train_unlikelihood(cfg, ul, out, tmp_path / "ul", corpus=small_corpus)
     assert 0 < bpb < 10
     after = repeats(tmp_path / "ul")
