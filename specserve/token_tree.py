@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -54,13 +55,14 @@ class TokenTree:
     def __len__(self) -> int:
         return len(self.paths)
 
-    @property
+    # cached: a drafter asks for these every step (frozen dataclasses allow cached_property)
+    @cached_property
     def parents(self) -> list[int]:
         """Index of each node's parent, -1 for children of the root."""
         index = {p: i for i, p in enumerate(self.paths)}
         return [index[p[:-1]] if len(p) > 1 else -1 for p in self.paths]
 
-    @property
+    @cached_property
     def ranks(self) -> list[int]:
         return [p[-1] for p in self.paths]
 
@@ -68,12 +70,14 @@ class TokenTree:
     def depth(self) -> int:
         return max(map(len, self.paths), default=0)
 
-    @property
+    @cached_property
     def is_chain(self) -> bool:
         return self.paths == TokenTree.chain(len(self)).paths
 
     def truncated(self, n: int) -> TokenTree:
         """The first n nodes: still a tree, since parents come before their children."""
+        if n >= len(self):
+            return self
         return TokenTree(self.paths[:n])
 
 

@@ -17,7 +17,7 @@ class Proposal:
     token_ids: list[int]                  # <= the request's budget; may be empty
     probs: torch.Tensor | None = None     # [len(token_ids), vocab] draft probabilities, or None
     # A draft tree: each token's parent (-1 = the last verified token), parents before children,
-    # siblings with distinct tokens. None = a chain. Trees are verified for greedy requests only.
+    # siblings with distinct tokens. None = a chain. Tree drafts are one-hot (no probs).
     parents: list[int] | None = None
 
 

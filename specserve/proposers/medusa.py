@@ -39,7 +39,7 @@ class MedusaProposer:
         for k, cand in zip(batch.max_num_tokens, top):
             tree = self.tree.truncated(k)
             toks = [cand[d - 1][rank] for d, rank in zip(node_depths(tree.parents), tree.ranks)]
-            out.append(Proposal(toks, parents=None if tree.is_chain else tree.parents))
+            out.append(Proposal(toks, parents=None if tree.is_chain else list(tree.parents)))
         return out
 
     def finish(self, request) -> None:
