@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +89,28 @@ def test_resume_continues_from_checkpoint(small_corpus, tiny_lm, tmp_path):
     bpb = train_lm(cfg, TINY, tmp_path / "out", tokenizer_dir=out, corpus=small_corpus)
     steps = [json.loads(x)["step"] for x in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6] and bpb == bpb
+
+
+def test_staged_build_reruns_past_finished_stages(small_corpus, tiny_lm, tmp_path):
+    """A staged build (schedules of 4 then 8 steps) rerun from the start after the second stage
+    has begun: the first stage is already behind the checkpoint and is skipped (it used to fail
+    looking for its validation result), the second resumes."""
+    target, _, _ = tiny_lm
+    shape = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                       intermediate_size=64, tie_embeddings=True, max_position_embeddings=128)
+
+    def stage(steps: int, max_minutes: float | None = None) -> float:
+        cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=steps, batch_size=2, seq_len=32,
+                          warmup=1, eval_every=4, ckpt_every=1, bf16=False, device="cpu",
+                          max_minutes=max_minutes)
+        return train_draft(cfg, shape, target, tmp_path / "draft", corpus=small_corpus)
+
+    first = stage(4)
+    for _ in range(2):
+        assert math.isnan(stage(8, max_minutes=0.0))     # stopped after one step: resume later
+    assert json.loads((tmp_path / "w" / "checkpoint.json").read_text())["step"] == 6
+    assert stage(4) == first                        # behind the checkpoint: skipped
+    assert stage(8) == stage(8) and (tmp_path / "draft" / "config.json").is_file()
 
 
 def test_draft_distillation_lowers_kl(small_corpus, tiny_lm, tmp_path):
