@@ -18,6 +18,7 @@ prompts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -89,6 +90,22 @@ def _kl(logits: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
                     target_logp.flatten(0, -2), log_target=True, reduction="batchmean")
 
 
+def _target_pass(target, x: torch.Tensor, aux_layers: tuple[int, ...],
+                 vocab_ids: torch.Tensor | None = None):
+    """The frozen target over x [B, S]: positions, final hidden [B, S, H], aux hidden (or None)
+    and next-token log-probabilities [B, S, V] (over `vocab_ids` only, when given)."""
+    pos = _positions(x)
+    with torch.no_grad():
+        if aux_layers:
+            h, aux = target(x, pos, aux_layers=aux_layers)
+        else:
+            h, aux = target(x, pos), None
+        logits = target.compute_logits(h).float()                          # [B, S, V]
+        if vocab_ids is not None:
+            logits = logits[..., vocab_ids]
+        return pos, h, aux, F.log_softmax(logits, -1)
+
+
 def head_loss(method: str, head: nn.Module, target, k: int):
     """Loss function over a token batch [B, S + 1] (see the module docstring); eagle3 is
     unrolled for the k draft steps it serves at K = k."""
@@ -96,53 +113,64 @@ def head_loss(method: str, head: nn.Module, target, k: int):
 
     def fn(xy: torch.Tensor):
         x = xy[:, :-1]                                                     # [B, S]
-        pos = _positions(x)
-        with torch.no_grad():
-            if aux_layers:
-                h, aux = target(x, pos, aux_layers=aux_layers)
-            else:
-                h, aux = target(x, pos), None
-            logits = target.compute_logits(h).float()                      # [B, S, V]
-            if method == "eagle3":      # the target's distribution over the draft vocabulary
-                logits = logits[..., head.draft_to_target()]
-            logp = F.log_softmax(logits, -1)
-        S = x.shape[1]
-        if method == "medusa":
-            losses = [_kl(lm(block(h[:, :S - i - 1])), logp[:, i + 1:])
-                      for i, (block, lm) in enumerate(zip(head.blocks, head.lm_heads))]
-            loss = sum(losses) / len(losses)
-            return loss, {"loss": loss.item(), "kl_head0": losses[0].item()}
-        if method == "mlp_speculator":
-            state, losses = h[:, :S - head.n_predict], []
-            for i in range(head.n_predict):
-                n = S - head.n_predict
-                state, logits = head.stage(i, state, x[:, i + 1:i + 1 + n])
-                losses.append(_kl(logits, logp[:, i + 1:i + 1 + n]))
-            loss = sum(losses) / len(losses)
-            return loss, {"loss": loss.item(), "kl_stage0": losses[0].item()}
-        # eagle / eagle3 / mtp: pairs (state at t, token t+1) for t = 0..S-2
-        tok, hin = x[:, 1:], (aux if method == "eagle3" else h)[:, :-1]
-        out = head(tok, head.fuse_target(hin), pos[:, :-1], None, None)    # [B, S-1, H]
-        head_logits = head.draft_logits          # eagle3: its own vocabulary
-        kl = _kl(head_logits(out), logp[:, 1:])
-        values = {"kl": kl.item()}
-        loss = kl
-        if method == "eagle":
-            reg = F.smooth_l1_loss(out.float(), h[:, 1:].float())
-            loss = loss * 0.1 + reg
-            values["feature_l1"] = reg.item()
-        if method == "eagle3":
-            # Further passes: the head's own output at t-1 replaces the target state at t, as
-            # when it drafts its 2nd, 3rd, ... token.
-            kls = [kl]
-            for j in range(1, k):
-                out = head(tok[:, j:], out[:, :-1], pos[:, j:-1], None, None)
-                kls.append(_kl(head_logits(out), logp[:, j + 1:]))
-                values[f"kl_step{j + 1}"] = kls[-1].item()
-            loss = sum(kls) / len(kls)
-        values["loss"] = loss.item()
-        return loss, values
+        # eagle3: the target's distribution over the draft vocabulary
+        vocab = head.draft_to_target() if method == "eagle3" else None
+        return _method_loss(method, head, x, *_target_pass(target, x, aux_layers, vocab), k)
     return fn
+
+
+def joint_head_loss(heads: nn.ModuleDict, target, k: int):
+    """One loss for several heads that read the target's last hidden state: the target runs
+    once per batch for all of them (the frozen target pass is most of a small head's step)."""
+    def fn(xy: torch.Tensor):
+        x = xy[:, :-1]
+        pos, h, _, logp = _target_pass(target, x, ())
+        total, values = 0.0, {}
+        for method, head in heads.items():
+            loss, v = _method_loss(method, head, x, pos, h, None, logp, k)
+            total = total + loss
+            values |= {f"{method}_{name}": val for name, val in v.items()}
+        return total, values | {"loss": total.item()}
+    return fn
+
+
+def _method_loss(method: str, head: nn.Module, x, pos, h, aux, logp, k: int):
+    S = x.shape[1]
+    if method == "medusa":
+        losses = [_kl(lm(block(h[:, :S - i - 1])), logp[:, i + 1:])
+                  for i, (block, lm) in enumerate(zip(head.blocks, head.lm_heads))]
+        loss = sum(losses) / len(losses)
+        return loss, {"loss": loss.item(), "kl_head0": losses[0].item()}
+    if method == "mlp_speculator":
+        state, losses = h[:, :S - head.n_predict], []
+        for i in range(head.n_predict):
+            n = S - head.n_predict
+            state, logits = head.stage(i, state, x[:, i + 1:i + 1 + n])
+            losses.append(_kl(logits, logp[:, i + 1:i + 1 + n]))
+        loss = sum(losses) / len(losses)
+        return loss, {"loss": loss.item(), "kl_stage0": losses[0].item()}
+    # eagle / eagle3 / mtp: pairs (state at t, token t+1) for t = 0..S-2
+    tok, hin = x[:, 1:], (aux if method == "eagle3" else h)[:, :-1]
+    out = head(tok, head.fuse_target(hin), pos[:, :-1], None, None)        # [B, S-1, H]
+    head_logits = head.draft_logits          # eagle3: its own vocabulary
+    kl = _kl(head_logits(out), logp[:, 1:])
+    values = {"kl": kl.item()}
+    loss = kl
+    if method == "eagle":
+        reg = F.smooth_l1_loss(out.float(), h[:, 1:].float())
+        loss = loss * 0.1 + reg
+        values["feature_l1"] = reg.item()
+    if method == "eagle3":
+        # Further passes: the head's own output at t-1 replaces the target state at t, as
+        # when it drafts its 2nd, 3rd, ... token.
+        kls = [kl]
+        for j in range(1, k):
+            out = head(tok[:, j:], out[:, :-1], pos[:, j:-1], None, None)
+            kls.append(_kl(head_logits(out), logp[:, j + 1:]))
+            values[f"kl_step{j + 1}"] = kls[-1].item()
+        loss = sum(kls) / len(kls)
+    values["loss"] = loss.item()
+    return loss, values
 
 
 # ---- writing the public formats -------------------------------------------------------------
@@ -264,6 +292,20 @@ def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: in
                gen: GeneratedData | None = None, corpus: Corpus | None = None,
                draft_vocab: int | None = None) -> dict:
     """Train a head for `target_dir`, write it to `out`, return its tau evaluation."""
+    return train_heads({method: out}, cfg, target_dir, k, gen, corpus, draft_vocab)[method]
+
+
+def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: int = 4,
+                gen: GeneratedData | None = None, corpus: Corpus | None = None,
+                draft_vocab: int | None = None) -> dict[str, dict]:
+    """Train a head of each method in `outs` (method -> output directory) on the same batches,
+    write each in its format, return each one's tau evaluation ({} while unfinished). Several
+    methods share each step's target pass (medusa, mlp_speculator, eagle, mtp: the heads that
+    read its last hidden state); the gradient-clipping norm grows with sqrt(number of heads), so
+    each head is clipped about as it would be alone."""
+    methods = list(outs)
+    if len(methods) > 1 and "eagle3" in methods:
+        raise ValueError("eagle3 reads other target layers and its own vocabulary: train it alone")
     device = _setup(cfg)
     corpus = corpus or Corpus.stdlib()
     work = Path(cfg.work_dir)
@@ -274,14 +316,24 @@ def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: in
     train_ids, _, _ = prepare_data(target_dir, work, corpus, 0)
     ids = with_generated(train_ids, gen or GeneratedData(), target_dir, corpus, work, cfg.seed)
     counts = np.bincount(ids, minlength=target.args.vocab_size)
-    head = build_head(method, target, k, draft_vocab, counts).to(device)
-    print(f"{method} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "
-          f"trainable parameters; {len(ids) / 1e6:.2f}M training tokens", flush=True)
-    log = train(head, ids, cfg, device, head_loss(method, head, target, k))
+    heads = nn.ModuleDict({m: build_head(m, target, k, draft_vocab, counts) for m in methods})
+    heads.to(device)
+    for m, head in heads.items():
+        print(f"{m} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "
+              f"trainable parameters; {len(ids) / 1e6:.2f}M training tokens", flush=True)
+    if len(methods) == 1:        # the head alone: its checkpoint keys stay the head's own
+        model, loss_fn = heads[methods[0]], head_loss(methods[0], heads[methods[0]], target, k)
+    else:
+        model, loss_fn = heads, joint_head_loss(heads, target, k)
+        cfg = dataclasses.replace(cfg, grad_clip=cfg.grad_clip * len(methods) ** 0.5)
+    log = train(model, ids, cfg, device, loss_fn)
     if not log or log[-1]["step"] != cfg.steps:
-        return {}    # stopped early (resume to finish), or a later stage already went past this one
-    save_head(method, head, out, target_dir)
-    result = evaluate_tau(target_dir, out, method, k)
-    (out / "quality.json").write_text(json.dumps({"method": method, "k": k, **result,
-                                                  "train_steps": cfg.steps}, indent=2) + "\n")
-    return result
+        # stopped early (resume to finish), or a later stage already went past this one
+        return {m: {} for m in methods}
+    results = {}
+    for m, out in outs.items():
+        save_head(m, heads[m], out, target_dir)
+        results[m] = evaluate_tau(target_dir, out, m, k)
+        (out / "quality.json").write_text(json.dumps({"method": m, "k": k, **results[m],
+                                                      "train_steps": cfg.steps}, indent=2) + "\n")
+    return results

@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specserve.train.generated import GeneratedData
-from specserve.train.heads import head_dir, train_head
+from specserve.train.heads import head_dir, train_heads
 from specserve.train.lm import ModelShape, train_draft, train_lm
 from specserve.train.trainer import TrainConfig
 
@@ -43,29 +43,29 @@ GREEDY = GeneratedData(num_generated=1024, generated_temperature=0, generated_sh
 DRAFT_STAGES: list[tuple[int, GeneratedData | None]] = [(1000, None), (2000, GREEDY),
                                                          (3000, GREEDY)]
 
-# method -> (batch size, extra train_head arguments, stages). Each stage is (schedule length,
-# generated text) and resumes the previous stage's checkpoint with the longer schedule (the
-# cosine is recomputed, so the learning rate rises part way back up). eagle3 drafts over the
-# 2048 most frequent tokens, which makes its steps cheap enough for longer runs; the others
-# compute a full-vocabulary KL per drafted position and get shorter ones. The greedy-text stage
+# methods trained together -> (batch size, extra train_heads arguments, stages). Each stage is
+# (schedule length, generated text) and resumes the previous stage's checkpoint with the longer
+# schedule (the cosine is recomputed, so the learning rate rises part way back up). The four
+# heads that read the target's last hidden state share one target pass per step (the bundled
+# ones were trained one at a time). eagle3 drafts over the 2048 most frequent tokens, which
+# makes its steps cheap enough for longer runs; the others compute a full-vocabulary KL per
+# drafted position and get shorter ones. The greedy-text stage
 # lifted tau at K=4: eagle3 2.90 -> 3.29, eagle 2.32 -> 3.09, mtp 2.29 -> 2.99, medusa
 # 1.54 -> 1.78, mlp_speculator 1.42 -> 1.76. eagle3 is unrolled for all K=4 draft steps; the
 # bundled head ran its first three stages with 3 unrolled passes (its 4th draft untrained) and
 # the 4400-step stage with 4, which raised tau 3.29 -> 3.49.
-HEAD_RECIPES: dict[str, tuple[int, dict, list[tuple[int, GeneratedData]]]] = {
-    "eagle3": (8, {"draft_vocab": 2048}, [(2000, SAMPLED), (2800, SAMPLED), (3600, GREEDY),
-                                          (4400, GREEDY)]),
-    "medusa": (4, {}, [(400, SAMPLED), (1000, GREEDY)]),
-    "mlp_speculator": (4, {}, [(400, SAMPLED), (1000, GREEDY)]),
-    "eagle": (4, {}, [(400, SAMPLED), (1000, GREEDY)]),
-    "mtp": (4, {}, [(400, SAMPLED), (1000, GREEDY)]),
+HEAD_RECIPES: dict[tuple[str, ...], tuple[int, dict, list[tuple[int, GeneratedData]]]] = {
+    ("eagle3",): (8, {"draft_vocab": 2048}, [(2000, SAMPLED), (2800, SAMPLED), (3600, GREEDY),
+                                             (4400, GREEDY)]),
+    ("medusa", "mlp_speculator", "eagle", "mtp"): (4, {}, [(400, SAMPLED), (1000, GREEDY)]),
 }
 
 
-def head_config(work: Path, method: str, steps: int, **kw) -> TrainConfig:
-    batch = HEAD_RECIPES[method][0]
-    return TrainConfig(work_dir=str(work / "heads" / method), steps=steps, batch_size=batch,
-                       seq_len=512, lr=1e-3, warmup=100, eval_every=100_000, ckpt_every=50, **kw)
+def head_config(work: Path, methods: tuple[str, ...], steps: int, **kw) -> TrainConfig:
+    batch = HEAD_RECIPES[methods][0]
+    return TrainConfig(work_dir=str(work / "heads" / "+".join(methods)), steps=steps,
+                       batch_size=batch, seq_len=512, lr=1e-3, warmup=100, eval_every=100_000,
+                       ckpt_every=50, **kw)
 
 
 def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None = None,
@@ -83,11 +83,13 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
         print(f"code-draft ({steps} steps): val bits/byte {bpb:.4f}", flush=True)
         if bpb != bpb:
             return
-    for method, (_, extra, stages) in HEAD_RECIPES.items():
-        out = Path(head_dir(out_dir / "code-target", method))
+    for methods, (_, extra, stages) in HEAD_RECIPES.items():
+        outs = {m: Path(head_dir(out_dir / "code-target", m)) for m in methods}
         for steps, gen in stages:
-            result = train_head(method, head_config(work_dir, method, steps, **kw),
-                                out_dir / "code-target", out, gen=gen, **extra)
-            if not result:
+            results = train_heads(outs, head_config(work_dir, methods, steps, **kw),
+                                  out_dir / "code-target", gen=gen, **extra)
+            if not all(results.values()):
                 return
-            print(f"{out.name} ({steps} steps): tau {result['tau']:.2f} at K=4", flush=True)
+            for m, result in results.items():
+                print(f"{outs[m].name} ({steps} steps): tau {result['tau']:.2f} at K=4",
+                      flush=True)

@@ -254,3 +254,38 @@ def test_unlikelihood_fine_tuning_reduces_greedy_repeats(tiny_lm, small_corpus, 
     assert after < before * 0.6, (before, after)
     LLM(str(tmp_path / "ul"), device="cpu").generate("def f(x):", SamplingParams(max_tokens=4),
                                                      use_tqdm=False)
+
+
+def test_heads_trained_together_share_one_target_pass(tiny_lm, small_corpus, tmp_path):
+    """The joint loss is the sum of each head's own loss on the batch; a short joint run lowers
+    every head's loss and writes each head in its format, and the heads speculate losslessly."""
+    from specserve.models.loader import load_model
+    from specserve.train.heads import build_head, head_loss, joint_head_loss, train_heads
+    target, _, _ = tiny_lm
+    model = load_model(target, torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    heads = torch.nn.ModuleDict({m: build_head(m, model, 3) for m in ("medusa", "eagle", "mtp")})
+    xy = torch.randint(0, 300, (2, 33))
+    joint, values = joint_head_loss(heads, model, 3)(xy)
+    alone = [head_loss(m, h, model, 3)(xy)[0] for m, h in heads.items()]
+    torch.testing.assert_close(joint, sum(alone))
+    assert {"medusa_loss", "eagle_feature_l1", "mtp_kl"} <= values.keys()
+
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=25, batch_size=4, seq_len=64, lr=3e-3,
+                      warmup=2, eval_every=25, bf16=False, device="cpu")
+    outs = {"medusa": tmp_path / "tiny-medusa", "mlp_speculator": tmp_path / "tiny-mlp"}
+    results = train_heads(outs, cfg, target, k=3, gen=GeneratedData(num_generated=2,
+                          generated_len=16), corpus=small_corpus)
+    log = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
+    for key in ("medusa_loss", "mlp_speculator_loss"):
+        assert sum(r[key] for r in log[-3:]) < sum(r[key] for r in log[:3])
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = LLM(str(target), device="cpu").generate("def f(x):", sp, use_tqdm=False)
+    for method, out in outs.items():
+        assert 1.0 <= results[method]["tau"] <= 4.0
+        got = LLM(str(target), device="cpu", speculative_config={
+            "method": method, "model": str(out), "num_speculative_tokens": 3}).generate(
+            "def f(x):", sp, use_tqdm=False)
+        assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="train it alone"):
+        train_heads({"eagle3": tmp_path / "a", "eagle": tmp_path / "b"}, cfg, target)
