@@ -35,7 +35,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated, from " + ", ".join(METHODS) + "; default: every method "
                         "whose draft or head exists (heads at <target>-<method>); METHOD@DIR "
                         "takes the draft or head from DIR (compare two heads side by side); "
-                        "METHOD+tree drafts the --token-tree (eagle, eagle3, mtp)")
+                        "METHOD+tree drafts the --token-tree (eagle, eagle3, medusa, mtp)")
     p.add_argument("--token-tree", default=None,
                    help="speculative_token_tree for the METHOD+tree entries of --methods, e.g. "
                         "\"[(0,), (1,), (0, 0), (0, 0, 0)]\"; K is its number of nodes")

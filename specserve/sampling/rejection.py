@@ -7,12 +7,14 @@ Leviathan et al. 2023 (arXiv 2211.17192), Chen et al. 2023 (arXiv 2302.01318). T
 Output tokens = accepted + recovered or bonus, so 1..k+1 tokens per request per step.
 
 Greedy (temperature 0): d_i is accepted iff it equals argmax p_i; the first mismatch emits
-argmax p_i. A draft tree keeps, greedily, the path of nodes that each equal the target's argmax
-after their parent, then emits the argmax after the path's last node; under sampling it tries a
-node's children one after another against the residual distribution (`_verify_random_tree`). Random: accept d_i iff u < p_i(d_i) / q_i(d_i) with u ~ U[0, 1) in float64 from the
+argmax p_i. Random: accept d_i iff u < p_i(d_i) / q_i(d_i) with u ~ U[0, 1) in float64 from the
 request's generator; q_i is one-hot on d_i when the proposer gives no probabilities. Target rows
 are processed with the request's temperature/top-k/top-p/min-p before the test. A request with
 k = 0 drafts gets ordinary sampling from its single row, so one path serves every request.
+
+A draft tree keeps, greedily, the path of nodes that each equal the target's argmax after their
+parent, then emits the argmax after the path's last node; under sampling it tries a node's
+children one after another against the residual distribution (`_verify_random_tree`).
 """
 
 from __future__ import annotations
