@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from specserve.bench.methods import add_common_args, configs
-from specserve.token_tree import TokenTree
 from specserve.bench.prompts import PROMPT_SETS
+from specserve.token_tree import TokenTree
 
 
 @dataclass

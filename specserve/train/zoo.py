@@ -49,9 +49,9 @@ DRAFT_STAGES: list[tuple[int, GeneratedData | None]] = [(1000, None), (2000, GRE
 # heads that read the target's last hidden state share one target pass per step (the bundled
 # ones were trained one at a time). eagle3 drafts over the 2048 most frequent tokens, which
 # makes its steps cheap enough for longer runs; the others compute a full-vocabulary KL per
-# drafted position and get shorter ones. The greedy-text stage
-# lifted tau at K=4: eagle3 2.90 -> 3.29, eagle 2.32 -> 3.09, mtp 2.29 -> 2.99, medusa
-# 1.54 -> 1.78, mlp_speculator 1.42 -> 1.76. eagle3 is unrolled for all K=4 draft steps; the
+# drafted position and get shorter ones. The greedy-text stage lifted tau at K=4: eagle3
+# 2.90 -> 3.29, eagle 2.32 -> 3.09, mtp 2.29 -> 2.99, medusa 1.54 -> 1.78, mlp_speculator
+# 1.42 -> 1.76. eagle3 is unrolled for all K=4 draft steps; the
 # bundled head ran its first three stages with 3 unrolled passes (its 4th draft untrained) and
 # the 4400-step stage with 4, which raised tau 3.29 -> 3.49.
 HEAD_RECIPES: dict[tuple[str, ...], tuple[int, dict, list[tuple[int, GeneratedData]]]] = {
