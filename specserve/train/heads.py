@@ -299,7 +299,8 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
                 gen: GeneratedData | None = None, corpus: Corpus | None = None,
                 draft_vocab: int | None = None) -> dict[str, dict]:
     """Train a head of each method in `outs` (method -> output directory) on the same batches,
-    write each in its format, return each one's tau evaluation ({} while unfinished). Several
+    write each in its format, return each one's tau evaluation ({} while unfinished; a
+    "skipped" note where the checkpoint is already past this schedule). Several
     methods share each step's target pass (medusa, mlp_speculator, eagle, mtp: the heads that
     read its last hidden state); the gradient-clipping norm grows with sqrt(number of heads), so
     each head is clipped about as it would be alone."""
@@ -327,9 +328,11 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
         model, loss_fn = heads, joint_head_loss(heads, target, k)
         cfg = dataclasses.replace(cfg, grad_clip=cfg.grad_clip * len(methods) ** 0.5)
     log = train(model, ids, cfg, device, loss_fn)
-    if not log or log[-1]["step"] != cfg.steps:
-        # stopped early (resume to finish), or a later stage already went past this one
-        return {m: {} for m in methods}
+    if not log or log[-1]["step"] < cfg.steps:
+        return {m: {} for m in methods}                  # stopped early: resume to finish
+    if log[-1]["step"] > cfg.steps:                      # a later stage went past this one
+        return {m: {"skipped": f"the checkpoint in {work} is at step {log[-1]['step']}, past "
+                               f"this stage's {cfg.steps}"} for m in methods}
     results = {}
     for m, out in outs.items():
         save_head(m, heads[m], out, target_dir)

@@ -108,7 +108,8 @@ def train_and_export(model, train_ids: np.ndarray, val: tuple[np.ndarray, int], 
     if not log or log[-1]["step"] < cfg.steps:
         return float("nan")           # resume to finish
     if log[-1]["step"] > cfg.steps:   # a later stage of a staged build already resumed past this one
-        return next(e["val_bpb"] for e in reversed(log) if "val_bpb" in e)
+        return next(e["val_bpb"] for e in reversed(log)
+                    if "val_bpb" in e and e["step"] <= cfg.steps)
     bpb = log[-1]["val_bpb"]
     eos = HFTokenizer.from_file(str(tok_dir / "tokenizer.json")).token_to_id(EOS)
     export(model, Path(cfg.work_dir), tok_dir, out, eos, bpb)

@@ -111,6 +111,26 @@ def test_staged_build_reruns_past_finished_stages(small_corpus, tiny_lm, tmp_pat
     assert json.loads((tmp_path / "w" / "checkpoint.json").read_text())["step"] == 6
     assert stage(4) == first                        # behind the checkpoint: skipped
     assert stage(8) == stage(8) and (tmp_path / "draft" / "config.json").is_file()
+    assert stage(4) == first                        # its own result, not the later stage's
+
+
+def test_staged_head_build_skips_finished_stages(small_corpus, tiny_lm, tmp_path):
+    """A head stage the checkpoint has already passed reports itself skipped (not unfinished,
+    which would stop `zoo build`) and leaves the later stage's head in place."""
+    from specserve.train.heads import train_head
+    target, _, _ = tiny_lm
+
+    def stage(steps: int) -> dict:
+        cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=steps, batch_size=2, seq_len=32,
+                          warmup=1, ckpt_every=1, bf16=False, device="cpu")
+        return train_head("medusa", cfg, target, tmp_path / "medusa", k=2,
+                          gen=GeneratedData(num_generated=1, generated_len=8),
+                          corpus=small_corpus)
+
+    assert "tau" in stage(3) and "tau" in stage(5)
+    written = (tmp_path / "medusa" / "model.safetensors").read_bytes()
+    assert "step 5" in stage(3)["skipped"]
+    assert (tmp_path / "medusa" / "model.safetensors").read_bytes() == written
 
 
 def test_draft_distillation_lowers_kl(small_corpus, tiny_lm, tmp_path):
