@@ -74,22 +74,24 @@ class Rotary(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_len, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)                        # [max_len, head_dim // 2]
-        emb = torch.cat([freqs, freqs], dim=-1)                 # [max_len, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs, freqs], -1).cos(), persistent=False)
+        # rotate_half(x) * sin == roll(x, head_dim // 2) * signed_sin: the sign of the first
+        # half is folded into the table, so applying rotary is three kernels, not six.
+        self.register_buffer("signed_sin", torch.cat([-freqs, freqs], -1).sin(),
+                             persistent=False)               # [max_len, head_dim]
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for `positions` [..., seq] as [..., seq, 1, head_dim]; once per forward."""
+        """cos, signed sin for `positions` [..., seq] as [..., seq, 1, head_dim]; once per
+        forward."""
         return (self.cos[positions].unsqueeze(-2).to(dtype),
-                self.sin[positions].unsqueeze(-2).to(dtype))
+                self.signed_sin[positions].unsqueeze(-2).to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     # x: [..., seq, heads, head_dim]
-    cos, sin = cos_sin
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    cos, signed_sin = cos_sin
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), signed_sin)
 
 
 class Attention(nn.Module):
@@ -193,6 +195,8 @@ class DecodeLinear(nn.Module):
                                                               self.PACK_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:                                 # [T, in]: the engine's flat batch
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed,
                                                self.bias, "none", [], "")     # [N, out]
         return y.view(*x.shape[:-1], self.out_features)
