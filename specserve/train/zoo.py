@@ -111,5 +111,5 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
             if not all(results.values()):
                 return
             for m, result in results.items():
-                print(f"{outs[m].name} ({steps} steps): tau {result['tau']:.2f} at K=4",
-                      flush=True)
+                done = f"tau {result['tau']:.2f} at K=4" if "tau" in result else result["skipped"]
+                print(f"{outs[m].name} ({steps} steps): {done}", flush=True)

@@ -309,3 +309,24 @@ def test_heads_trained_together_share_one_target_pass(tiny_lm, small_corpus, tmp
         assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="train it alone"):
         train_heads({"eagle3": tmp_path / "a", "eagle": tmp_path / "b"}, cfg, target)
+
+
+def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsys):
+    """`zoo build` rerun after a head stage was passed: the passed stage reports 'skipped' and the
+    build goes on to the next stage and the next head group (the training calls are stubbed)."""
+    from specserve.train import zoo
+    monkeypatch.setattr(zoo, "train_lm", lambda *a, **k: 1.0)
+    monkeypatch.setattr(zoo, "train_unlikelihood", lambda *a, **k: 1.0)
+    monkeypatch.setattr(zoo, "train_draft", lambda *a, **k: 1.0)
+    calls = []
+
+    def heads(outs, cfg, *a, **k):
+        calls.append(cfg.steps)
+        first = cfg.steps == min(s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st)
+        return {m: {"skipped": "past"} if first else {"tau": 2.0} for m in outs}
+
+    monkeypatch.setattr(zoo, "train_heads", heads)
+    zoo.build_zoo(str(tmp_path / "models"), str(tmp_path / "work"))
+    assert calls == [s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st]
+    out = capsys.readouterr().out
+    assert "past" in out and "tau 2.00 at K=4" in out
