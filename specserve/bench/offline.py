@@ -62,11 +62,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 class SpecserveRunner:
-    def __init__(self, name: str, target: str, spec: dict | None, dtype: str) -> None:
+    def __init__(self, name: str, target: str, spec: dict | None, dtype: str,
+                 cpu_kernel: bool = True) -> None:
         from specserve import LLM
         self.name = name
         self.llm = LLM(target, speculative_config=spec, dtype=dtype, device="cpu",
-                       max_num_seqs=16, max_num_batched_tokens=2048)
+                       max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel)
         self.spec = spec
 
     def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0
@@ -209,6 +210,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (outputs compared with no-spec); > 0 samples, seeded per prompt")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
+    p.add_argument("--pytorch-path", action="store_true",
+                   help="also run no-spec without the compiled CPU kernel (cpu_kernel=False)")
     p.add_argument("--title", default="Offline latency: specserve methods and transformers")
     a = p.parse_args(argv)
     if a.threads:
@@ -222,6 +225,9 @@ def main(argv: list[str]) -> None:
         for batch in [int(b) for b in a.batch_sizes.split(",")]:
             # Fresh engines per suite so acceptance statistics belong to this suite only.
             runners = [SpecserveRunner("specserve no-spec", a.target, None, a.dtype)]
+            if a.pytorch_path:
+                runners.append(SpecserveRunner("specserve no-spec, PyTorch path", a.target,
+                                               None, a.dtype, cpu_kernel=False))
             runners += [SpecserveRunner(f"specserve {m} ({_k_label(spec)})", model, spec, a.dtype)
                         for m, (model, spec) in specs.items()]
             if not a.no_transformers and batch == 1:
@@ -258,7 +264,12 @@ def main(argv: list[str]) -> None:
              f"{wb / 1e6:.1f} MB -> bandwidth floor {wb / bw / 1e6:.2f} ms/token",
              f"- plot: {png.name}", ""]
     for key, results in all_results.items():
-        lines += [f"### {key}\n", _table(results, "specserve no-spec"), ""]
+        lines += [f"### {key}\n", _table(results, "specserve no-spec")]
+        if key.endswith("batch 1"):
+            lines.append("\n" + "; ".join(
+                f"{r.name}: {1e3 / r.median:.2f} ms/token = {1e3 / r.median / (wb / bw / 1e6):.2f}x "
+                "the floor" for r in results if r.name.startswith("specserve no-spec")))
+        lines.append("")
     with open(out, "a") as f:
         f.write("\n".join(lines) + "\n")
     print(json.dumps({"results": str(out), "plot": str(png)}))

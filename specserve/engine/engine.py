@@ -65,7 +65,7 @@ class LLMEngine:
         self.max_model_len = mc.max_model_len or model_len
         self.tokenizer = Tokenizer(mc.model) if (Path(mc.model) / "tokenizer.json").is_file() else None
         self.model = load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len)
-        use_decode_linears(self.model)
+        use_decode_linears(self.model, cpu_kernel=mc.cpu_kernel)
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = _eos_ids(mc.model, hf, self.tokenizer)
         sc = config.scheduler_config

@@ -68,7 +68,9 @@ def build_tree_metadata(slots: list[int], store: list[list[int]], ctx: list[list
         bi, qi, ci = zip(*idx)
         mask[list(bi), list(qi), list(ci)] = True
     positions = torch.tensor([p for s in store for p in s], dtype=torch.long, device=device)
-    return _metadata(slots, lens, positions, max_kv, mask.unsqueeze(1).to(device), device)
+    md = _metadata(slots, lens, positions, max_kv, mask.unsqueeze(1).to(device), device)
+    md.tree = True
+    return md
 
 
 def _metadata(slots: list[int], lens: list[int], positions: torch.Tensor, max_kv: int,

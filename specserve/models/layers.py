@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.models.cpu_kernel import MAX_ROWS, CpuDecoder, linear_rows, load_library, pack_weight
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -31,6 +33,8 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None
     # [batch, 1, max_query_len, max_kv_len] bool, True = may attend; None for batch-1 decode.
     mask: torch.Tensor | None
+    # True when rows are draft-tree nodes that see only their ancestors (not causal runs)
+    tree: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -179,11 +183,15 @@ class DecodeLinear(nn.Module):
     is cheaper too (`specserve bench latency`, runs 3, 4 and 7 in benchmarks/RESULTS.md). In
     bfloat16 the packed kernel also beats F.linear's (run 13). The price is a second copy of
     the weights.
+
+    With `lib` (the compiled CPU kernel, float32 only), inputs of up to MAX_ROWS rows go
+    through the kernel instead, over a third copy packed for it (`kernel_weight`), which is
+    also what `CpuDecoder` reads.
     """
 
     PACK_ROWS = 16
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, lib=None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight                  # same Parameter: ties stay tied
@@ -193,8 +201,14 @@ class DecodeLinear(nn.Module):
         # kernels (a plain to_mkldnn() copy runs 5 rows at 2x the cost of one).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
                                                               self.PACK_ROWS)
+        self.lib = lib
+        self.kernel_weight = None if lib is None else pack_weight(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is not None and x.numel() <= MAX_ROWS * self.in_features:
+            y = linear_rows(self.lib, x.reshape(-1, self.in_features), self.kernel_weight,
+                            self.bias, self.out_features)                  # [N, out]
+            return y.view(*x.shape[:-1], self.out_features)
         if x.dim() == 2:                                 # [T, in]: the engine's flat batch
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed,
@@ -202,17 +216,24 @@ class DecodeLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def use_decode_linears(model: nn.Module) -> nn.Module:
+def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
     """Swap every nn.Linear of a float32 or bfloat16 CPU inference model for a DecodeLinear
     (in place). Other cases keep nn.Linear: CUDA has cuBLAS; float16, and bfloat16 on a CPU
-    without native bfloat16 instructions, have no fast oneDNN kernel."""
+    without native bfloat16 instructions, have no fast oneDNN kernel.
+
+    With `cpu_kernel` and float32, small inputs go through the compiled CPU kernel, and a
+    model with a `cpu_decoder` slot (LlamaForCausalLM) gets a CpuDecoder for its few-row
+    steps; without a C compiler that is skipped with a warning."""
     w = next(model.parameters())
     if w.device.type != "cpu" or not _onednn_linear_available(w.dtype):
         return model
+    lib = load_library() if cpu_kernel and w.dtype == torch.float32 else None
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, DecodeLinear(child))
+                setattr(module, name, DecodeLinear(child, lib))
+    if lib is not None and hasattr(model, "cpu_decoder") and CpuDecoder.supports(model):
+        model.cpu_decoder = CpuDecoder(model, lib)
     return model
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specserve.models.cpu_kernel import MAX_ROWS
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -132,6 +133,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(args.head_dim, max_len or args.max_position_embeddings,
                              args.rope_theta, args.rope_scaling)
+        # Set by use_decode_linears on float32 CPU inference models: runs cached steps of up
+        # to MAX_ROWS causal rows in compiled code (models/cpu_kernel.py).
+        self.cpu_decoder = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata | None = None,
@@ -141,6 +145,9 @@ class LlamaForCausalLM(nn.Module):
         without (dense causal training). Returns the final (normed) hidden states
         [..., hidden_size]; with `aux_layers`, also the inputs of those layers concatenated
         [..., len(aux_layers) * hidden_size] (what EAGLE-3 heads read)."""
+        if (self.cpu_decoder is not None and md is not None and not md.tree
+                and input_ids.numel() <= MAX_ROWS):
+            return self.cpu_decoder(input_ids, positions, md.token_slots, kv_caches, aux_layers)
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.tables(positions, x.dtype)
         saved = {}

@@ -36,7 +36,7 @@ class DraftModelProposer:
         limit = min(draft_len, engine.max_model_len)
         engine.max_model_len = limit
         self.model = load_model(config.model, engine.dtype, engine.device, max_len=limit)
-        use_decode_linears(self.model)
+        use_decode_linears(self.model, cpu_kernel=engine.config.model_config.cpu_kernel)
         if self.model.args.vocab_size != engine.vocab_size:
             raise ValueError(
                 f"draft model {config.model} has vocab_size {self.model.args.vocab_size} but the "

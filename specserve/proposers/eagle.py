@@ -34,7 +34,8 @@ class HeadProposer:
     def __init__(self, config: SpeculativeConfig, engine) -> None:
         self.method = config.method
         self.head = load_head(config.method, config.model or engine.config.model_config.model,
-                              engine.model, engine.device, engine.dtype)
+                              engine.model, engine.device, engine.dtype,
+                              engine.config.model_config.cpu_kernel)
         a = self.head.args
         max_len = engine.max_model_len + config.num_speculative_tokens + 1
         self.head.rotary = Rotary(a.head_dim, max_len, a.rope_theta, a.rope_scaling).to(

@@ -13,7 +13,8 @@ from specserve.token_tree import node_depths
 
 class MedusaProposer:
     def __init__(self, config: SpeculativeConfig, engine) -> None:
-        self.heads = load_head("medusa", config.model, engine.model, engine.device, engine.dtype)
+        self.heads = load_head("medusa", config.model, engine.model, engine.device, engine.dtype,
+                               engine.config.model_config.cpu_kernel)
         self.tree = config.token_tree()             # None: draft a chain
         if self.tree is None:
             check_k("medusa", config.num_speculative_tokens, self.heads.num_heads)

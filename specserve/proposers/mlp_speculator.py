@@ -13,7 +13,7 @@ from specserve.proposers.heads_common import check_k, last_hidden_rows
 class MLPSpeculatorProposer:
     def __init__(self, config: SpeculativeConfig, engine) -> None:
         self.spec = load_head("mlp_speculator", config.model, engine.model, engine.device,
-                              engine.dtype)
+                              engine.dtype, engine.config.model_config.cpu_kernel)
         check_k("mlp_speculator", config.num_speculative_tokens, self.spec.n_predict)
         self.device = engine.device
         self.aux_hidden_layers = ()

@@ -7,16 +7,30 @@ import torch
 
 from specserve.engine.runner import build_metadata
 from specserve.kv_cache import KVCache
+from specserve.models.cpu_kernel import load_library
+from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_model
 
 TOL = 1e-4
 
 
+@pytest.fixture(params=["pytorch", "kernel"])
+def path_kind(request) -> str:
+    """Each logits test runs on the PyTorch path and on the compiled CPU kernel (which takes
+    the steps of up to 16 rows: decode, verify, the small ragged step)."""
+    if request.param == "kernel" and load_library() is None:
+        pytest.skip("the CPU kernel could not be built here (no C compiler with OpenMP)")
+    return request.param
+
+
 class Stepper:
     """Drive our model with a KV cache the way the runner does."""
 
-    def __init__(self, path, num_slots: int = 4):
+    def __init__(self, path, num_slots: int = 4, kind: str = "pytorch"):
         self.model = load_model(path, torch.float32, torch.device("cpu"))
+        if kind == "kernel":
+            use_decode_linears(self.model)
+            assert self.model.cpu_decoder is not None
         a = self.model.args
         self.cache = KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads, 256,
                              a.head_dim, torch.float32, torch.device("cpu"))
@@ -34,29 +48,29 @@ def ref_logits(hf, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0]
 
 
-def test_prefill_matches(hf_model):
+def test_prefill_matches(hf_model, path_kind):
     _, path, hf = hf_model
     ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    out = Stepper(path).run([ids], [0], [0])[0]
+    out = Stepper(path, kind=path_kind).run([ids], [0], [0])[0]
     assert (out - ref_logits(hf, ids)).abs().max() <= TOL
 
 
-def test_decode_step_by_step_matches(hf_model):
+def test_decode_step_by_step_matches(hf_model, path_kind):
     _, path, hf = hf_model
     ids = torch.randint(0, 96, (30,), generator=torch.Generator().manual_seed(2)).tolist()
     ref = ref_logits(hf, ids)
-    s = Stepper(path)
+    s = Stepper(path, kind=path_kind)
     s.run([ids[:10]], [0], [2])
     for i in range(10, 30):
         out = s.run([[ids[i]]], [i], [2])[0]
         assert (out[0] - ref[i]).abs().max() <= TOL, f"position {i}"
 
 
-def test_ragged_batch_matches(hf_model):
+def test_ragged_batch_matches(hf_model, path_kind):
     _, path, hf = hf_model
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (7, 33, 1, 18)]
-    s = Stepper(path)
+    s = Stepper(path, kind=path_kind)
     # Mixed step: whole prompts for three requests, the fourth only partly (a prompt chunk).
     outs = s.run([seqs[0], seqs[1], seqs[2], seqs[3][:5]], [0, 0, 0, 0], [0, 1, 2, 3])
     for seq, out in zip(seqs[:3], outs):
@@ -69,13 +83,13 @@ def test_ragged_batch_matches(hf_model):
     assert (outs[3] - ref_logits(hf, seqs[3])[5:]).abs().max() <= TOL
 
 
-def test_verify_step_after_rollback_matches(hf_model):
+def test_verify_step_after_rollback_matches(hf_model, path_kind):
     _, path, hf = hf_model
     g = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, 96, (20,), generator=g).tolist()
     wrong = [1, 2, 3, 4]
     right = [9, 8, 7, 6]
-    s = Stepper(path)
+    s = Stepper(path, kind=path_kind)
     s.run([prompt], [0], [1])
     s.run([wrong], [20], [1])                  # drafts that get rejected: KV written at 20..23
     # Roll back by counter: the next step writes again from position 21 (one draft accepted).

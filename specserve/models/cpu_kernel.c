@@ -1,0 +1,218 @@
+/* Few-row float32 forward of a Llama-family decoder on the CPU (see cpu_kernel.py).
+ *
+ * A decode or verify step feeds a handful of rows, so every weight matrix is read once from
+ * memory and each row's dot products run from cache: the step costs about the weight bytes
+ * over the memory bandwidth, plus one call from Python for the whole layer stack instead of
+ * some twenty kernel launches per layer. Every output element is computed by the same code
+ * in the same order whatever the other rows are, so a row's result does not depend on how
+ * many rows share the step (a one-token decode and a five-token verify agree bit for bit).
+ *
+ * Built by cpu_kernel.py with: cc -O3 -march=native -fopenmp -shared -fPIC.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);       /* an unaligned vector load */
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static inline float hsum(v16 s) {
+    union { v16 v; v8 h[2]; } u = {s};
+    v8 a = u.h[0] + u.h[1];
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* sum_i a[i] * b[i] in a fixed order */
+static float dot(const float *a, const float *b, int64_t n) {
+    v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        s0 += load16(a + i) * load16(b + i);
+        s1 += load16(a + i + 16) * load16(b + i + 16);
+        s2 += load16(a + i + 32) * load16(b + i + 32);
+        s3 += load16(a + i + 48) * load16(b + i + 48);
+    }
+    for (; i + 16 <= n; i += 16) s0 += load16(a + i) * load16(b + i);
+    float r = hsum((s0 + s1) + (s2 + s3));
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+/* Weights are packed (cpu_kernel.pack_weight) as [ceil(out / 64) * 4][in][16]: blocks of 16
+ * output columns, each block's `in` rows contiguous. A tile of nb blocks times tb rows keeps
+ * its tb * nb accumulators in registers while the weights stream past once; each output is
+ * summed over i in order, the same for every tb and nb. */
+static inline __attribute__((always_inline)) void tile(const float *wp, const float *x,
+                                                       int64_t in, int tb, int nb, float *y) {
+    v16 acc[8][4];
+    for (int t = 0; t < tb; t++)
+        for (int b = 0; b < nb; b++) acc[t][b] = (v16){0};
+    for (int64_t i = 0; i < in; i++) {
+        v16 w[4];
+        for (int b = 0; b < nb; b++) w[b] = load16(wp + (b * in + i) * 16);
+        for (int t = 0; t < tb; t++) {
+            float xv = x[t * in + i];
+            for (int b = 0; b < nb; b++) acc[t][b] += w[b] * xv;
+        }
+    }
+    for (int t = 0; t < tb; t++)
+        for (int b = 0; b < nb; b++) store16(y + t * 64 + b * 16, acc[t][b]);
+}
+
+#define TILE(TB, NB) case TB: tile(wp + c * (NB) * in * 16, xt, in, TB, NB, buf); break;
+
+/* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed; y has row
+ * stride ldy. Up to 4 rows go in tiles of 64 columns, 5 to 8 rows in tiles of 32 (16
+ * accumulators either way); more rows go 8 at a time. Threads split the tiles. */
+void specserve_linear(const float *x, int64_t T, const float *wp, const float *bias,
+                      int64_t out, int64_t in, float *y, int64_t ldy, int accumulate,
+                      int nthreads) {
+    for (int64_t t0 = 0; t0 < T; t0 += 8) {
+        const int64_t rows = T - t0 < 8 ? T - t0 : 8;
+        const int nb = rows <= 4 ? 4 : 2, width = nb * 16;
+        const int64_t ntiles = (out + width - 1) / width;
+        const float *xt = x + t0 * in;
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t c = 0; c < ntiles; c++) {
+            float buf[8 * 64];
+            switch (rows) {
+                TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4)
+                TILE(5, 2) TILE(6, 2) TILE(7, 2) TILE(8, 2)
+            }
+            const int64_t o0 = c * width, n = out - o0 < width ? out - o0 : width;
+            for (int64_t t = 0; t < rows; t++) {
+                float *yt = y + (t0 + t) * ldy + o0;
+                for (int64_t j = 0; j < n; j++) {
+                    float v = buf[t * 64 + j] + (bias ? bias[o0 + j] : 0.f);
+                    yt[j] = accumulate ? yt[j] + v : v;
+                }
+            }
+        }
+    }
+}
+
+/* y = weight * x / sqrt(mean(x^2) + eps) over rows of length n */
+static void rms_norm(const float *x, const float *weight, float eps, int64_t rows, int64_t n,
+                     int64_t ldx, int64_t ldy, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float inv = 1.f / sqrtf(dot(xr, xr, n) / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) y[r * ldy + i] = weight[i] * (xr[i] * inv);
+    }
+}
+
+/* rotate-half rotary in place: x[d] * cos[d] + x[(d + D/2) % D] * signed_sin[d] */
+static void rotary(float *x, const float *cos, const float *ssin, int64_t D) {
+    float tmp[1024];
+    memcpy(tmp, x, D * sizeof(float));
+    for (int64_t d = 0; d < D; d++) x[d] = tmp[d] * cos[d] + tmp[(d + D / 2) % D] * ssin[d];
+}
+
+/* Per-layer weights, in the order cpu_kernel.py packs them. */
+enum { IN_NORM, QKV_W, QKV_B, Q_NORM, K_NORM, O_W, POST_NORM, GATE_UP_W, DOWN_W, NUM_PTRS };
+
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers;
+    int64_t max_len;        /* KV positions per slot */
+    float eps, scale;
+} Shape;
+
+/* Runs every layer on x [T, hidden] (the token embeddings; overwritten with the final normed
+ * hidden states). Row t is the token at position positions[t] of the request in KV slot
+ * slots[t]; its keys and values are written there and it attends to positions 0..positions[t]
+ * of that slot (rows of one request are consecutive positions, so this is causal). aux[a] gets
+ * the input of layer aux_layers[a] as columns a*hidden.. of aux_out [T, naux * hidden].
+ * Returns 0, or -1 when scratch memory cannot be allocated. */
+int specserve_decode(const Shape *s, int64_t T, float *x, const int64_t *slots,
+                     const int64_t *positions, const float *const *weights,
+                     float *const *k_caches, float *const *v_caches, const float *cos_table,
+                     const float *sin_table, const float *final_norm, const int64_t *aux_layers,
+                     int64_t naux, float *aux_out, int nthreads) {
+    const int64_t H = s->hidden, NH = s->num_heads, NKV = s->num_kv_heads, D = s->head_dim;
+    const int64_t I = s->intermediate, QKV = (NH + 2 * NKV) * D, group = NH / NKV;
+    const int64_t slot_stride = NKV * s->max_len * D;
+    if (D > 1024) return -1;
+    int64_t widest = QKV > 2 * I ? QKV : 2 * I;
+    float *h = malloc(sizeof(float) * T * (H > NH * D ? H : NH * D));
+    float *wide = malloc(sizeof(float) * T * widest);
+    float *act = malloc(sizeof(float) * T * I);
+    float *attn = malloc(sizeof(float) * T * NH * D);
+    if (!h || !wide || !act || !attn) {
+        free(h); free(wide); free(act); free(attn);
+        return -1;
+    }
+    for (int64_t l = 0; l < s->num_layers; l++) {
+        const float *const *w = weights + l * NUM_PTRS;
+        for (int64_t a = 0; a < naux; a++)
+            if (aux_layers[a] == l)
+                for (int64_t t = 0; t < T; t++)
+                    memcpy(aux_out + (t * naux + a) * H, x + t * H, H * sizeof(float));
+        rms_norm(x, w[IN_NORM], s->eps, T, H, H, H, h);
+        specserve_linear(h, T, w[QKV_W], w[QKV_B], QKV, H, wide, QKV, 0, nthreads);
+        for (int64_t t = 0; t < T; t++) {
+            float *q = wide + t * QKV, *k = q + NH * D, *v = k + NKV * D;
+            if (w[Q_NORM]) {
+                rms_norm(q, w[Q_NORM], s->eps, NH, D, D, D, q);
+                rms_norm(k, w[K_NORM], s->eps, NKV, D, D, D, k);
+            }
+            const float *c = cos_table + positions[t] * D, *sn = sin_table + positions[t] * D;
+            for (int64_t j = 0; j < NH + NKV; j++) rotary(q + j * D, c, sn, D);
+            for (int64_t g = 0; g < NKV; g++) {
+                int64_t at = slots[t] * slot_stride + (g * s->max_len + positions[t]) * D;
+                memcpy(k_caches[l] + at, k + g * D, D * sizeof(float));
+                memcpy(v_caches[l] + at, v + g * D, D * sizeof(float));
+            }
+        }
+        #pragma omp parallel num_threads(nthreads)
+        {
+            float *p = malloc(sizeof(float) * s->max_len);
+            #pragma omp for schedule(static)
+            for (int64_t th = 0; th < T * NH; th++) {
+                int64_t t = th / NH, hd = th % NH, L = positions[t] + 1;
+                const float *q = wide + t * QKV + hd * D;
+                int64_t base = slots[t] * slot_stride + (hd / group) * s->max_len * D;
+                const float *kc = k_caches[l] + base, *vc = v_caches[l] + base;
+                float *o = attn + t * NH * D + hd * D;
+                if (!p) {       /* out of memory: poison the row rather than crash */
+                    for (int64_t d = 0; d < D; d++) o[d] = NAN;
+                    continue;
+                }
+                float m = -INFINITY, sum = 0.f;
+                for (int64_t j = 0; j < L; j++) {
+                    p[j] = dot(q, kc + j * D, D) * s->scale;
+                    if (p[j] > m) m = p[j];
+                }
+                for (int64_t j = 0; j < L; j++) {
+                    p[j] = expf(p[j] - m);
+                    sum += p[j];
+                }
+                for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+                for (int64_t j = 0; j < L; j++)
+                    for (int64_t d = 0; d < D; d++) o[d] += p[j] * vc[j * D + d];
+                for (int64_t d = 0; d < D; d++) o[d] /= sum;
+            }
+            free(p);
+        }
+        specserve_linear(attn, T, w[O_W], NULL, H, NH * D, x, H, 1, nthreads);
+        rms_norm(x, w[POST_NORM], s->eps, T, H, H, H, h);
+        specserve_linear(h, T, w[GATE_UP_W], NULL, 2 * I, H, wide, 2 * I, 0, nthreads);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < I; i++) {
+                float g = wide[t * 2 * I + i];
+                act[t * I + i] = g / (1.f + expf(-g)) * wide[t * 2 * I + I + i];
+            }
+        specserve_linear(act, T, w[DOWN_W], NULL, H, I, x, H, 1, nthreads);
+    }
+    rms_norm(x, final_norm, s->eps, T, H, H, H, x);
+    free(h); free(wide); free(act); free(attn);
+    return 0;
+}

@@ -1,0 +1,108 @@
+"""The compiled CPU kernel: its linear, its batch invariance, EAGLE-3 features, and the
+fallback when it cannot be built. (Its logits against transformers: test_llama.py, `kernel`.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specserve.engine.runner import build_metadata
+from specserve.kv_cache import KVCache
+from specserve.models.cpu_kernel import MAX_ROWS, linear_rows, load_library, pack_weight
+from specserve.models.layers import use_decode_linears
+from specserve.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(load_library() is None,
+                                reason="the CPU kernel could not be built here (no C compiler)")
+
+
+def test_linear_rows_matches_linear_for_any_shape_and_row_count():
+    g = torch.Generator().manual_seed(0)
+    lib = load_library()
+    for out, inp in ((40, 24), (64, 100), (130, 33), (384, 96)):
+        w = torch.randn(out, inp, generator=g)
+        b = torch.randn(out, generator=g)
+        packed = pack_weight(w)
+        assert packed.shape == (-(-out // 64) * 4, inp, 16)
+        for rows in (1, 3, 4, 5, 8, 9, MAX_ROWS, 20):
+            x = torch.randn(rows, inp, generator=g)
+            for bias in (None, b):
+                torch.testing.assert_close(linear_rows(lib, x, packed, bias, out),
+                                           F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+
+
+def _stepper(path, slots: int = 4):
+    model = use_decode_linears(load_model(path, torch.float32, torch.device("cpu")))
+    a = model.args
+    cache = KVCache(a.num_hidden_layers, slots, a.num_key_value_heads, 64, a.head_dim,
+                    torch.float32, torch.device("cpu"))
+    return model, cache
+
+
+@torch.inference_mode()
+def _step(model, cache, feeds, starts, slots, aux=()):
+    md, pos = build_metadata(starts, [len(f) for f in feeds], slots, torch.device("cpu"))
+    return model(torch.tensor([t for f in feeds for t in f]), pos, md, cache.layers,
+                 aux_layers=aux)
+
+
+def test_a_row_does_not_depend_on_what_else_is_in_the_step(hf_model):
+    """One request's decode row alone, and the same row beside a 5-token verify of another
+    request and a third request's decode: bit-for-bit the same hidden state and KV."""
+    _, path, _ = hf_model
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (12, 9, 20)]
+    results = []
+    for together in (False, True):
+        model, cache = _stepper(path)
+        assert model.cpu_decoder is not None
+        _step(model, cache, prompts, [0, 0, 0], [0, 1, 2])          # prefill: PyTorch path
+        if together:
+            h = _step(model, cache, [[7], [1, 2, 3, 4, 5], [9]], [12, 9, 20], [0, 1, 2])[0]
+        else:
+            h = _step(model, cache, [[7]], [12], [0])[0]
+        results.append((h.clone(), cache.layers[-1][0][0, :, 12].clone()))
+    (alone, kv_alone), (together, kv_together) = results
+    assert torch.equal(alone[0], together[0]) and torch.equal(kv_alone, kv_together)
+
+
+def test_eagle3_features_and_hidden_match_the_pytorch_path(llama_dir):
+    ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(2)).tolist()
+    outs = []
+    for kernel in (False, True):
+        model, cache = _stepper(llama_dir)
+        if not kernel:
+            model.cpu_decoder = None
+        _step(model, cache, [ids[:10]], [0], [3])
+        outs.append(_step(model, cache, [ids[10:]], [10], [3], aux=(0, 1)))
+    (h_ref, aux_ref), (h, aux) = outs
+    assert aux.shape == aux_ref.shape == (6, 2 * model.args.hidden_size)
+    torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(aux, aux_ref, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_output_is_the_same_with_and_without_the_kernel(llama_dir):
+    from specserve import LLM, SamplingParams, TokensPrompt
+    prompts = [TokensPrompt(prompt_token_ids=list(range(3, 3 + n))) for n in (5, 17, 30)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for kernel in (True, False):
+        llm = LLM(str(llama_dir), device="cpu", cpu_kernel=kernel,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        assert (llm.engine.model.cpu_decoder is not None) == kernel
+        tokens[kernel] = [o.outputs[0].token_ids for o in
+                          llm.generate(prompts, params, use_tqdm=False)]
+    assert tokens[True] == tokens[False]
+
+
+def test_without_a_compiler_it_warns_and_the_pytorch_path_runs(monkeypatch, tmp_path,
+                                                               llama_dir):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert load_library.__wrapped__() is None
+    monkeypatch.setattr("specserve.models.layers.load_library", load_library.__wrapped__)
+    with pytest.warns(RuntimeWarning):
+        model = use_decode_linears(load_model(llama_dir, torch.float32, torch.device("cpu")))
+    assert model.cpu_decoder is None and model.lm_head.lib is None
