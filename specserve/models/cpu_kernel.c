@@ -25,10 +25,50 @@ static inline v16 load16(const float *p) {
 
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
 
+typedef float v4 __attribute__((vector_size(16)));
+
 static inline float hsum(v16 s) {
     union { v16 v; v8 h[2]; } u = {s};
-    v8 a = u.h[0] + u.h[1];
-    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+    union { v8 v; v4 h[2]; } w = {u.h[0] + u.h[1]};
+    v4 a = w.h[0] + w.h[1];
+    return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+/* exp of 16 floats (relative error about 2e-7): exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <=
+ * ln2 / 2, exp(r) by its degree-6 Taylor polynomial. glibc's scalar expf is not vectorised
+ * without -ffast-math and costs as much as the rest of a long-context attention. */
+static inline v16 exp16(v16 x) {
+    const v16 lo = x - x - 87.f, hi = x - x + 88.f;
+    vi16 below = x < lo, above = x > hi;
+    x = (v16)(((vi16)x & ~below) | ((vi16)lo & below));
+    x = (v16)(((vi16)x & ~above) | ((vi16)hi & above));
+    const float magic = 12582912.f;                      /* 1.5 * 2^23: rounds to an integer */
+    v16 n = (x * 1.44269504f + magic) - magic;
+    v16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  /* ln 2 in two parts */
+    v16 p = x - x + 1.f / 720;
+    p = p * r + 1.f / 120;
+    p = p * r + 1.f / 24;
+    p = p * r + 1.f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+    return p * (v16)bits;
+}
+
+/* y[i] = exp(x[i]) for n floats, every element through exp16 (so an element's value never
+ * depends on where it falls in the array) */
+static void exp_array(const float *x, float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) store16(y + i, exp16(load16(x + i)));
+    if (i < n) {
+        float buf[16] = {0};
+        memcpy(buf, x + i, (n - i) * sizeof(float));
+        store16(buf, exp16(load16(buf)));
+        memcpy(y + i, buf, (n - i) * sizeof(float));
+    }
 }
 
 /* sum_i a[i] * b[i] in a fixed order */
@@ -53,7 +93,7 @@ static float dot(const float *a, const float *b, int64_t n) {
  * summed over i in order, the same for every tb and nb. */
 static inline __attribute__((always_inline)) void tile(const float *wp, const float *x,
                                                        int64_t in, int tb, int nb, float *y) {
-    v16 acc[8][4];
+    v16 acc[16][4];
     for (int t = 0; t < tb; t++)
         for (int b = 0; b < nb; b++) acc[t][b] = (v16){0};
     for (int64_t i = 0; i < in; i++) {
@@ -71,22 +111,24 @@ static inline __attribute__((always_inline)) void tile(const float *wp, const fl
 #define TILE(TB, NB) case TB: tile(wp + c * (NB) * in * 16, xt, in, TB, NB, buf); break;
 
 /* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed; y has row
- * stride ldy. Up to 4 rows go in tiles of 64 columns, 5 to 8 rows in tiles of 32 (16
- * accumulators either way); more rows go 8 at a time. Threads split the tiles. */
+ * stride ldy. Up to 4 rows go in tiles of 64 columns, 5 to 8 rows in tiles of 32, 9 to 16 in
+ * tiles of 16 (at most 16 accumulators); more rows go 16 at a time. Threads split the tiles. */
 void specserve_linear(const float *x, int64_t T, const float *wp, const float *bias,
                       int64_t out, int64_t in, float *y, int64_t ldy, int accumulate,
                       int nthreads) {
-    for (int64_t t0 = 0; t0 < T; t0 += 8) {
-        const int64_t rows = T - t0 < 8 ? T - t0 : 8;
-        const int nb = rows <= 4 ? 4 : 2, width = nb * 16;
+    for (int64_t t0 = 0; t0 < T; t0 += 16) {
+        const int64_t rows = T - t0 < 16 ? T - t0 : 16;
+        const int nb = rows <= 4 ? 4 : rows <= 8 ? 2 : 1, width = nb * 16;
         const int64_t ntiles = (out + width - 1) / width;
         const float *xt = x + t0 * in;
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t c = 0; c < ntiles; c++) {
-            float buf[8 * 64];
+            float buf[16 * 64];
             switch (rows) {
                 TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4)
                 TILE(5, 2) TILE(6, 2) TILE(7, 2) TILE(8, 2)
+                TILE(9, 1) TILE(10, 1) TILE(11, 1) TILE(12, 1)
+                TILE(13, 1) TILE(14, 1) TILE(15, 1) TILE(16, 1)
             }
             const int64_t o0 = c * width, n = out - o0 < width ? out - o0 : width;
             for (int64_t t = 0; t < rows; t++) {
@@ -115,6 +157,25 @@ static void rotary(float *x, const float *cos, const float *ssin, int64_t D) {
     float tmp[1024];
     memcpy(tmp, x, D * sizeof(float));
     for (int64_t d = 0; d < D; d++) x[d] = tmp[d] * cos[d] + tmp[(d + D / 2) % D] * ssin[d];
+}
+
+/* o[d] = scale * sum_j p[j] * v[j * D + d], accumulated in registers when D allows */
+static void weighted_sum(const float *p, const float *v, int64_t L, int64_t D, float scale,
+                         float *o) {
+    if (D % 16 == 0 && D <= 256) {
+        v16 acc[16];
+        const int64_t nv = D / 16;
+        for (int64_t c = 0; c < nv; c++) acc[c] = (v16){0};
+        for (int64_t j = 0; j < L; j++)
+            for (int64_t c = 0; c < nv; c++) acc[c] += p[j] * load16(v + j * D + c * 16);
+        for (int64_t c = 0; c < nv; c++) store16(o + c * 16, acc[c] * scale);
+        return;
+    }
+    for (int64_t d = 0; d < D; d++) {
+        float r = 0.f;
+        for (int64_t j = 0; j < L; j++) r += p[j] * v[j * D + d];
+        o[d] = r * scale;
+    }
 }
 
 /* Per-layer weights, in the order cpu_kernel.py packs them. */
@@ -191,25 +252,23 @@ int specserve_decode(const Shape *s, int64_t T, float *x, const int64_t *slots,
                     p[j] = dot(q, kc + j * D, D) * s->scale;
                     if (p[j] > m) m = p[j];
                 }
-                for (int64_t j = 0; j < L; j++) {
-                    p[j] = expf(p[j] - m);
-                    sum += p[j];
-                }
-                for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-                for (int64_t j = 0; j < L; j++)
-                    for (int64_t d = 0; d < D; d++) o[d] += p[j] * vc[j * D + d];
-                for (int64_t d = 0; d < D; d++) o[d] /= sum;
+                for (int64_t j = 0; j < L; j++) p[j] -= m;
+                exp_array(p, p, L);
+                for (int64_t j = 0; j < L; j++) sum += p[j];
+                weighted_sum(p, vc, L, D, 1.f / sum, o);
             }
             free(p);
         }
         specserve_linear(attn, T, w[O_W], NULL, H, NH * D, x, H, 1, nthreads);
         rms_norm(x, w[POST_NORM], s->eps, T, H, H, H, h);
         specserve_linear(h, T, w[GATE_UP_W], NULL, 2 * I, H, wide, 2 * I, 0, nthreads);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < I; i++) {
-                float g = wide[t * 2 * I + i];
-                act[t * I + i] = g / (1.f + expf(-g)) * wide[t * 2 * I + I + i];
-            }
+        for (int64_t t = 0; t < T; t++) {          /* act = silu(gate) * up */
+            const float *gate = wide + t * 2 * I, *up = gate + I;
+            float *a = act + t * I;
+            for (int64_t i = 0; i < I; i++) a[i] = -gate[i];
+            exp_array(a, a, I);
+            for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.f + a[i]) * up[i];
+        }
         specserve_linear(act, T, w[DOWN_W], NULL, H, I, x, H, 1, nthreads);
     }
     rms_norm(x, final_norm, s->eps, T, H, H, H, x);

@@ -28,9 +28,10 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-# Up to this many rows a step reads every weight once and computes the rows from cache; longer
-# prompt chunks are compute-bound and oneDNN's blocked matrix multiply is faster there.
-MAX_ROWS = 16
+# Steps of up to this many rows (decode, verify, a batch of either) take the kernel; it reads
+# each weight once per 16 rows. Longer prompt chunks take oneDNN's blocked matrix multiply,
+# which reuses weights across many rows (the two cost the same near 64 rows; run 19).
+MAX_ROWS = 48
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
@@ -99,7 +100,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
                 bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [T, in] @ weight.T + bias with the weight packed by `pack_weight`: [T, out]. Meant
-    for T <= MAX_ROWS; more rows work but re-read the weight every 8 rows."""
+    for T <= MAX_ROWS; more rows work but re-read the weight every 16 rows."""
     x = x.contiguous()
     T, inp = x.shape
     y = x.new_empty(T, out_features)

@@ -25,7 +25,7 @@ def test_linear_rows_matches_linear_for_any_shape_and_row_count():
         b = torch.randn(out, generator=g)
         packed = pack_weight(w)
         assert packed.shape == (-(-out // 64) * 4, inp, 16)
-        for rows in (1, 3, 4, 5, 8, 9, MAX_ROWS, 20):
+        for rows in (1, 3, 4, 5, 8, 9, 16, 17, MAX_ROWS, MAX_ROWS + 3):
             x = torch.randn(rows, inp, generator=g)
             for bias in (None, b):
                 torch.testing.assert_close(linear_rows(lib, x, packed, bias, out),
