@@ -178,87 +178,90 @@ static void weighted_sum(const float *p, const float *v, int64_t L, int64_t D, f
     }
 }
 
-/* Per-layer weights, in the order cpu_kernel.py packs them. */
+/* A layer's weights, in the order cpu_kernel.py passes them (NULL where a layer has none). */
 enum { IN_NORM, QKV_W, QKV_B, Q_NORM, K_NORM, O_W, POST_NORM, GATE_UP_W, DOWN_W, NUM_PTRS };
 
 typedef struct {
-    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate, num_layers;
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t attn_in;        /* width of the attention input (EAGLE-3: 2 * hidden) */
     int64_t max_len;        /* KV positions per slot */
     float eps, scale;
 } Shape;
 
-/* Runs every layer on x [T, hidden] (the token embeddings; overwritten with the final normed
- * hidden states). Row t is the token at position positions[t] of the request in KV slot
- * slots[t]; its keys and values are written there and it attends to positions 0..positions[t]
- * of that slot (rows of one request are consecutive positions, so this is causal). aux[a] gets
- * the input of layer aux_layers[a] as columns a*hidden.. of aux_out [T, naux * hidden].
- * Returns 0, or -1 when scratch memory cannot be allocated. */
-int specserve_decode(const Shape *s, int64_t T, float *x, const int64_t *slots,
-                     const int64_t *positions, const float *const *weights,
-                     float *const *k_caches, float *const *v_caches, const float *cos_table,
-                     const float *sin_table, const float *final_norm, const int64_t *aux_layers,
-                     int64_t naux, float *aux_out, int nthreads) {
+/* One decoder layer on the residual stream x [T, hidden], in place. The attention input is
+ * attn_in [T, s->attn_in] when given (EAGLE-3 builds it from two inputs), else x normed by
+ * IN_NORM (or x itself when IN_NORM is NULL: EAGLE-1). Row t is the token at position
+ * positions[t] of the request in KV slot slots[t], rotated by cos/sin rows t [T, head_dim];
+ * its keys and values are written there and it attends to positions 0..positions[t] of that
+ * slot (a request's rows are consecutive positions, so this is causal). k_cache, v_cache:
+ * [num_slots, num_kv_heads, max_len, head_dim]. Returns 0, or -1 when out of memory. */
+int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
+                    const int64_t *slots, const int64_t *positions, const float *const *w,
+                    float *k_cache, float *v_cache, const float *cos, const float *sin,
+                    int nthreads) {
     const int64_t H = s->hidden, NH = s->num_heads, NKV = s->num_kv_heads, D = s->head_dim;
     const int64_t I = s->intermediate, QKV = (NH + 2 * NKV) * D, group = NH / NKV;
     const int64_t slot_stride = NKV * s->max_len * D;
     if (D > 1024) return -1;
-    int64_t widest = QKV > 2 * I ? QKV : 2 * I;
-    float *h = malloc(sizeof(float) * T * (H > NH * D ? H : NH * D));
+    const int64_t widest = QKV > 2 * I ? QKV : 2 * I;
+    float *h = malloc(sizeof(float) * T * H);
     float *wide = malloc(sizeof(float) * T * widest);
-    float *act = malloc(sizeof(float) * T * I);
-    float *attn = malloc(sizeof(float) * T * NH * D);
-    if (!h || !wide || !act || !attn) {
-        free(h); free(wide); free(act); free(attn);
+    float *act = malloc(sizeof(float) * T * (I > NH * D ? I : NH * D));
+    if (!h || !wide || !act) {
+        free(h); free(wide); free(act);
         return -1;
     }
-    for (int64_t l = 0; l < s->num_layers; l++) {
-        const float *const *w = weights + l * NUM_PTRS;
-        for (int64_t a = 0; a < naux; a++)
-            if (aux_layers[a] == l)
-                for (int64_t t = 0; t < T; t++)
-                    memcpy(aux_out + (t * naux + a) * H, x + t * H, H * sizeof(float));
+    float *attn = act;          /* the attention output is dead before the MLP needs `act` */
+    const float *a_in = x;
+    if (attn_in) {
+        a_in = attn_in;
+    } else if (w[IN_NORM]) {
         rms_norm(x, w[IN_NORM], s->eps, T, H, H, H, h);
-        specserve_linear(h, T, w[QKV_W], w[QKV_B], QKV, H, wide, QKV, 0, nthreads);
-        for (int64_t t = 0; t < T; t++) {
-            float *q = wide + t * QKV, *k = q + NH * D, *v = k + NKV * D;
-            if (w[Q_NORM]) {
-                rms_norm(q, w[Q_NORM], s->eps, NH, D, D, D, q);
-                rms_norm(k, w[K_NORM], s->eps, NKV, D, D, D, k);
-            }
-            const float *c = cos_table + positions[t] * D, *sn = sin_table + positions[t] * D;
-            for (int64_t j = 0; j < NH + NKV; j++) rotary(q + j * D, c, sn, D);
-            for (int64_t g = 0; g < NKV; g++) {
-                int64_t at = slots[t] * slot_stride + (g * s->max_len + positions[t]) * D;
-                memcpy(k_caches[l] + at, k + g * D, D * sizeof(float));
-                memcpy(v_caches[l] + at, v + g * D, D * sizeof(float));
-            }
+        a_in = h;
+    }
+    const int64_t a_width = attn_in ? s->attn_in : H;
+    specserve_linear(a_in, T, w[QKV_W], w[QKV_B], QKV, a_width, wide, QKV, 0, nthreads);
+    for (int64_t t = 0; t < T; t++) {
+        float *q = wide + t * QKV, *k = q + NH * D, *v = k + NKV * D;
+        if (w[Q_NORM]) {
+            rms_norm(q, w[Q_NORM], s->eps, NH, D, D, D, q);
+            rms_norm(k, w[K_NORM], s->eps, NKV, D, D, D, k);
         }
-        #pragma omp parallel num_threads(nthreads)
-        {
-            float *p = malloc(sizeof(float) * s->max_len);
-            #pragma omp for schedule(static)
-            for (int64_t th = 0; th < T * NH; th++) {
-                int64_t t = th / NH, hd = th % NH, L = positions[t] + 1;
-                const float *q = wide + t * QKV + hd * D;
-                int64_t base = slots[t] * slot_stride + (hd / group) * s->max_len * D;
-                const float *kc = k_caches[l] + base, *vc = v_caches[l] + base;
-                float *o = attn + t * NH * D + hd * D;
-                if (!p) {       /* out of memory: poison the row rather than crash */
-                    for (int64_t d = 0; d < D; d++) o[d] = NAN;
-                    continue;
-                }
-                float m = -INFINITY, sum = 0.f;
-                for (int64_t j = 0; j < L; j++) {
-                    p[j] = dot(q, kc + j * D, D) * s->scale;
-                    if (p[j] > m) m = p[j];
-                }
-                for (int64_t j = 0; j < L; j++) p[j] -= m;
-                exp_array(p, p, L);
-                for (int64_t j = 0; j < L; j++) sum += p[j];
-                weighted_sum(p, vc, L, D, 1.f / sum, o);
-            }
-            free(p);
+        for (int64_t j = 0; j < NH + NKV; j++) rotary(q + j * D, cos + t * D, sin + t * D, D);
+        for (int64_t g = 0; g < NKV; g++) {
+            int64_t at = slots[t] * slot_stride + (g * s->max_len + positions[t]) * D;
+            memcpy(k_cache + at, k + g * D, D * sizeof(float));
+            memcpy(v_cache + at, v + g * D, D * sizeof(float));
         }
+    }
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *p = malloc(sizeof(float) * s->max_len);
+        if (!p) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t th = 0; th < T * NH; th++) {
+            if (!p) continue;
+            int64_t t = th / NH, hd = th % NH, L = positions[t] + 1;
+            const float *q = wide + t * QKV + hd * D;
+            int64_t base = slots[t] * slot_stride + (hd / group) * s->max_len * D;
+            const float *kc = k_cache + base, *vc = v_cache + base;
+            float m = -INFINITY, sum = 0.f;
+            for (int64_t j = 0; j < L; j++) {
+                p[j] = dot(q, kc + j * D, D) * s->scale;
+                if (p[j] > m) m = p[j];
+            }
+            for (int64_t j = 0; j < L; j++) p[j] -= m;
+            exp_array(p, p, L);
+            for (int64_t j = 0; j < L; j++) sum += p[j];
+            weighted_sum(p, vc, L, D, 1.f / sum, attn + t * NH * D + hd * D);
+        }
+        free(p);
+    }
+    if (!failed) {
         specserve_linear(attn, T, w[O_W], NULL, H, NH * D, x, H, 1, nthreads);
         rms_norm(x, w[POST_NORM], s->eps, T, H, H, H, h);
         specserve_linear(h, T, w[GATE_UP_W], NULL, 2 * I, H, wide, 2 * I, 0, nthreads);
@@ -271,7 +274,6 @@ int specserve_decode(const Shape *s, int64_t T, float *x, const int64_t *slots,
         }
         specserve_linear(act, T, w[DOWN_W], NULL, H, I, x, H, 1, nthreads);
     }
-    rms_norm(x, final_norm, s->eps, T, H, H, H, x);
-    free(h); free(wide); free(act); free(attn);
-    return 0;
+    free(h); free(wide); free(act);
+    return failed ? -1 : 0;
 }

@@ -2,10 +2,11 @@
 
 Eager PyTorch spends a batch-1 decode step of a small model mostly outside the weights: some
 twenty kernel launches per layer, and one-row matrix products that read the weights at well
-under the memory bandwidth (RESULTS runs 17 and 19). `CpuDecoder` runs the whole layer stack
-of a step of up to `MAX_ROWS` causal rows in one C call, and `linear_rows` does the same for one
-matrix (lm_head, draft heads). Each output element is computed the same way whatever else is in
-the step, so results do not depend on batch composition.
+under the memory bandwidth (RESULTS runs 17 and 19). `CpuLayer` runs a decoder layer's step of
+up to `MAX_ROWS` causal rows in one C call, and `linear_rows` does the same for one matrix
+(lm_head, heads). Each output element is computed the same way whatever else is in the step,
+so a row's result does not depend on batch composition (a one-token decode and a five-token
+verify agree bit for bit).
 
 The C file is compiled on first use with the machine's C compiler (`$CC`, default `cc`) into
 `~/.cache/specserve/kernels` (or `$XDG_CACHE_HOME`); where that fails, a warning says so and
@@ -38,7 +39,7 @@ _I64 = ctypes.c_int64
 
 class _Shape(ctypes.Structure):
     _fields_ = [(n, _I64) for n in ("hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "intermediate", "num_layers", "max_len")] + [
+                                    "intermediate", "attn_in", "max_len")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -81,9 +82,9 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_linear.argtypes = [_P, _I64, _P, _P, _I64, _I64, _P, _I64, ctypes.c_int,
                                      ctypes.c_int]
     lib.specserve_linear.restype = None
-    lib.specserve_decode.argtypes = [ctypes.POINTER(_Shape), _I64, _P, _P, _P, _P, _P, _P, _P,
-                                     _P, _P, _P, _I64, _P, ctypes.c_int]
-    lib.specserve_decode.restype = ctypes.c_int
+    lib.specserve_layer.argtypes = [ctypes.POINTER(_Shape), _I64, _P, _P, _P, _P, _P, _P, _P,
+                                    _P, _P, ctypes.c_int]
+    lib.specserve_layer.restype = ctypes.c_int
     return lib
 
 
@@ -110,73 +111,63 @@ def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
     return y
 
 
-class CpuDecoder:
-    """`LlamaForCausalLM.forward` for cached steps of <= MAX_ROWS rows that form causal runs."""
+class CpuLayer:
+    """A decoder layer's cached step of <= MAX_ROWS causal rows in one C call: `DecoderLayer`
+    (target, draft model, EAGLE, MTP) or `Eagle3DecoderLayer` (its attention input given)."""
 
-    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL) -> None:
-        a = model.args
-        self.lib, self.model = lib, model
-        attn = model.layers[0].self_attn
-        self.shape = _Shape(a.hidden_size, a.num_attention_heads, a.num_key_value_heads,
-                            a.head_dim, a.intermediate_size, a.num_hidden_layers, 0,
-                            a.rms_norm_eps, attn.scale)
-        ptrs: list[int | None] = []
-        for layer in model.layers:
-            at, mlp = layer.self_attn, layer.mlp
-            tensors = (layer.input_layernorm.weight, at.qkv_proj.kernel_weight,
-                       at.qkv_proj.bias, at.q_norm.weight if at.q_norm is not None else None,
-                       at.k_norm.weight if at.k_norm is not None else None,
-                       at.o_proj.kernel_weight, layer.post_attention_layernorm.weight,
-                       mlp.gate_up_proj.kernel_weight, mlp.down_proj.kernel_weight)
-            assert all(t is None or t.is_contiguous() for t in tensors)
-            ptrs.extend(None if t is None else t.data_ptr() for t in tensors)
-        # The parameters are held by the model; these are their addresses, read once.
-        self.weights = (_P * len(ptrs))(*ptrs)
-        self._caches: tuple[list, object, object] | None = None     # (list, keys, values)
+    def __init__(self, layer: torch.nn.Module, lib: ctypes.CDLL) -> None:
+        at, mlp = layer.self_attn, layer.mlp
+        in_norm = getattr(layer.input_layernorm, "weight", None)     # nn.Identity: EAGLE-1
+        tensors = (in_norm, at.qkv_proj.kernel_weight, at.qkv_proj.bias,
+                   None if at.q_norm is None else at.q_norm.weight,
+                   None if at.k_norm is None else at.k_norm.weight, at.o_proj.kernel_weight,
+                   layer.post_attention_layernorm.weight, mlp.gate_up_proj.kernel_weight,
+                   mlp.down_proj.kernel_weight)
+        assert all(t is None or t.is_contiguous() for t in tensors)
+        self.lib = lib
+        self._keep = tensors            # the addresses below stay valid while these live
+        self.weights = (_P * len(tensors))(*(None if t is None else t.data_ptr()
+                                             for t in tensors))
+        self.shape = _Shape(at.o_proj.out_features, at.num_heads, at.num_kv_heads, at.head_dim,
+                            mlp.intermediate, at.qkv_proj.in_features, 0,
+                            layer.post_attention_layernorm.eps, at.scale)
 
     @staticmethod
-    def supports(model: torch.nn.Module) -> bool:
-        """float32 on the CPU, every linear of the layers packed for the kernel (DecodeLinear
-        with a kernel weight), contiguous norms and rotary tables."""
-        p = model.embed_tokens.weight
-        linears = [lin for layer in model.layers for lin in (
-            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)]
-        return (p.device.type == "cpu" and p.dtype == torch.float32
-                and model.args.head_dim <= 1024
-                and all(getattr(lin, "kernel_weight", None) is not None for lin in linears)
-                and all(t.is_contiguous() for t in model.parameters()))
+    def supports(layer: torch.nn.Module) -> bool:
+        """float32 on the CPU with every linear packed for the kernel (a DecodeLinear with a
+        kernel weight), head_dim <= 1024."""
+        at, mlp = layer.self_attn, layer.mlp
+        linears = (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        return (all(getattr(lin, "kernel_weight", None) is not None for lin in linears)
+                and at.head_dim <= 1024
+                and all(p.dtype == torch.float32 and p.device.type == "cpu"
+                        and p.is_contiguous() for p in layer.parameters()))
 
-    def _cache_ptrs(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-        if self._caches is None or self._caches[0] is not kv_caches:
-            k0 = kv_caches[0][0]
-            a = self.model.args
-            if (k0.dtype != torch.float32 or k0.dim() != 4 or k0.shape[1] != a.num_key_value_heads
-                    or k0.shape[3] != a.head_dim or not all(k.is_contiguous() and v.is_contiguous()
-                                                            for k, v in kv_caches)):
-                raise ValueError("CpuDecoder: KV cache tensors must be contiguous float32 "
-                                 "[num_slots, num_kv_heads, max_len, head_dim]")
-            self.shape.max_len = k0.shape[2]
-            self._caches = (kv_caches, (_P * len(kv_caches))(*(k.data_ptr() for k, _ in kv_caches)),
-                            (_P * len(kv_caches))(*(v.data_ptr() for _, v in kv_caches)))
-        return self._caches[1], self._caches[2]
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, token_slots: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], aux_layers: tuple[int, ...]):
-        """input_ids, positions, token_slots: [T] -> final hidden [T, H] (and the aux layers'
-        inputs [T, len(aux_layers) * H] when asked), like LlamaForCausalLM.forward."""
-        m = self.model
-        keys, values = self._cache_ptrs(kv_caches)
-        x = m.embed_tokens(input_ids).contiguous()                          # [T, H]
-        T, H = x.shape
-        aux = x.new_empty(T, len(aux_layers) * H) if aux_layers else None
-        aux_ids = (_I64 * len(aux_layers))(*aux_layers)
-        positions, token_slots = positions.contiguous(), token_slots.contiguous()
-        rc = self.lib.specserve_decode(
-            ctypes.byref(self.shape), T, x.data_ptr(), token_slots.data_ptr(),
-            positions.data_ptr(), self.weights, keys, values, m.rotary.cos.data_ptr(),
-            m.rotary.signed_sin.data_ptr(), m.norm.weight.data_ptr(), aux_ids, len(aux_layers),
-            None if aux is None else aux.data_ptr(), torch.get_num_threads())
+    def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                 md, cache: tuple[torch.Tensor, torch.Tensor],
+                 attn_in: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] residual stream -> the layer's output [T, H] (x is not modified);
+        cos_sin: rotary rows [T, 1, head_dim]; attn_in [T, attn_in width] or None."""
+        k_cache, v_cache = cache                      # [num_slots, num_kv_heads, max_len, D]
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()
+                and k_cache.dtype == torch.float32):
+            raise ValueError("CpuLayer: KV cache tensors must be contiguous float32")
+        self.shape.max_len = k_cache.shape[2]
+        out = x.contiguous().clone()
+        cos, sin = (t.contiguous() for t in cos_sin)
+        if attn_in is not None:
+            attn_in = attn_in.contiguous()
+        rc = self.lib.specserve_layer(
+            ctypes.byref(self.shape), out.shape[0], out.data_ptr(),
+            None if attn_in is None else attn_in.data_ptr(), md.token_slots.data_ptr(),
+            md.positions.data_ptr(), self.weights, k_cache.data_ptr(), v_cache.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
         if rc != 0:
-            raise MemoryError("CpuDecoder: could not allocate the step's scratch memory")
-        return (x, aux) if aux_layers else x
+            raise MemoryError("CpuLayer: could not allocate the step's scratch memory")
+        return out
+
+
+def kernel_step(md, x: torch.Tensor) -> bool:
+    """Whether a cached step of rows `x` [T, ...] goes through the kernel: causal rows (not a
+    draft tree), at most MAX_ROWS of them."""
+    return md is not None and not md.tree and x.shape[0] <= MAX_ROWS

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.models.cpu_kernel import kernel_step
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 from specserve.models.llama import DecoderLayer, LlamaArgs
 
@@ -192,9 +193,12 @@ class Eagle3DecoderLayer(nn.Module):
                                    bias=False, qk_norm=False, eps=a.rms_norm_eps, in_dim=2 * H)
         self.post_attention_layernorm = RMSNorm(H, a.rms_norm_eps)
         self.mlp = MLP(H, a.intermediate_size)
+        self.cpu_layer = None           # see DecoderLayer
 
     def forward(self, emb, hidden, cos_sin, md, cache):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        if self.cpu_layer is not None and kernel_step(md, x):
+            return self.cpu_layer(hidden, cos_sin, md, cache, attn_in=x)
         x = hidden + self.self_attn(x, cos_sin, md, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.cpu_kernel import MAX_ROWS, CpuDecoder, linear_rows, load_library, pack_weight
+from specserve.models.cpu_kernel import (MAX_ROWS, CpuLayer, kernel_step, linear_rows, load_library,
+                                         pack_weight)
 
 
 @dataclass(slots=True)
@@ -186,7 +187,7 @@ class DecodeLinear(nn.Module):
 
     With `lib` (the compiled CPU kernel, float32 only), inputs of up to MAX_ROWS rows go
     through the kernel instead, over a third copy packed for it (`kernel_weight`), which is
-    also what `CpuDecoder` reads.
+    also what `CpuLayer` reads.
     """
 
     PACK_ROWS = 16
@@ -221,8 +222,8 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
     (in place). Other cases keep nn.Linear: CUDA has cuBLAS; float16, and bfloat16 on a CPU
     without native bfloat16 instructions, have no fast oneDNN kernel.
 
-    With `cpu_kernel` and float32, small inputs go through the compiled CPU kernel, and a
-    model with a `cpu_decoder` slot (LlamaForCausalLM) gets a CpuDecoder for its few-row
+    With `cpu_kernel` and float32, small inputs go through the compiled CPU kernel, and every
+    decoder layer (a module with a `cpu_layer` slot) gets a CpuLayer for its few-row cached
     steps; without a C compiler that is skipped with a warning."""
     w = next(model.parameters())
     if w.device.type != "cpu" or not _onednn_linear_available(w.dtype):
@@ -232,8 +233,10 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, DecodeLinear(child, lib))
-    if lib is not None and hasattr(model, "cpu_decoder") and CpuDecoder.supports(model):
-        model.cpu_decoder = CpuDecoder(model, lib)
+    if lib is not None:
+        for module in model.modules():
+            if hasattr(module, "cpu_layer") and CpuLayer.supports(module):
+                module.cpu_layer = CpuLayer(module, lib)
     return model
 
 

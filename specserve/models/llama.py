@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.models.cpu_kernel import MAX_ROWS
+from specserve.models.cpu_kernel import kernel_step
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -112,9 +112,14 @@ class DecoderLayer(nn.Module):
                                    a.head_dim, a.attention_bias, a.qk_norm, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
+        # Set by use_decode_linears on float32 CPU inference models: runs cached steps of up
+        # to MAX_ROWS causal rows in compiled code (models/cpu_kernel.py).
+        self.cpu_layer = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 md: AttentionMetadata | None, cache) -> torch.Tensor:
+        if self.cpu_layer is not None and kernel_step(md, x):
+            return self.cpu_layer(x, cos_sin, md, cache)
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, md, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -133,9 +138,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(args.head_dim, max_len or args.max_position_embeddings,
                              args.rope_theta, args.rope_scaling)
-        # Set by use_decode_linears on float32 CPU inference models: runs cached steps of up
-        # to MAX_ROWS causal rows in compiled code (models/cpu_kernel.py).
-        self.cpu_decoder = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata | None = None,
@@ -145,9 +147,6 @@ class LlamaForCausalLM(nn.Module):
         without (dense causal training). Returns the final (normed) hidden states
         [..., hidden_size]; with `aux_layers`, also the inputs of those layers concatenated
         [..., len(aux_layers) * hidden_size] (what EAGLE-3 heads read)."""
-        if (self.cpu_decoder is not None and md is not None and not md.tree
-                and input_ids.numel() <= MAX_ROWS):
-            return self.cpu_decoder(input_ids, positions, md.token_slots, kv_caches, aux_layers)
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.tables(positions, x.dtype)
         saved = {}

@@ -32,6 +32,10 @@ def test_linear_rows_matches_linear_for_any_shape_and_row_count():
                                            F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
 
 
+def _uses_kernel(model) -> bool:
+    return all(layer.cpu_layer is not None for layer in model.layers)
+
+
 def _stepper(path, slots: int = 4):
     model = use_decode_linears(load_model(path, torch.float32, torch.device("cpu")))
     a = model.args
@@ -56,7 +60,7 @@ def test_a_row_does_not_depend_on_what_else_is_in_the_step(hf_model):
     results = []
     for together in (False, True):
         model, cache = _stepper(path)
-        assert model.cpu_decoder is not None
+        assert _uses_kernel(model)
         _step(model, cache, prompts, [0, 0, 0], [0, 1, 2])          # prefill: PyTorch path
         if together:
             h = _step(model, cache, [[7], [1, 2, 3, 4, 5], [9]], [12, 9, 20], [0, 1, 2])[0]
@@ -73,7 +77,8 @@ def test_eagle3_features_and_hidden_match_the_pytorch_path(llama_dir):
     for kernel in (False, True):
         model, cache = _stepper(llama_dir)
         if not kernel:
-            model.cpu_decoder = None
+            for layer in model.layers:
+                layer.cpu_layer = None
         _step(model, cache, [ids[:10]], [0], [3])
         outs.append(_step(model, cache, [ids[10:]], [10], [3], aux=(0, 1)))
     (h_ref, aux_ref), (h, aux) = outs
@@ -90,7 +95,7 @@ def test_engine_output_is_the_same_with_and_without_the_kernel(llama_dir):
     for kernel in (True, False):
         llm = LLM(str(llama_dir), device="cpu", cpu_kernel=kernel,
                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-        assert (llm.engine.model.cpu_decoder is not None) == kernel
+        assert _uses_kernel(llm.engine.model) == kernel
         tokens[kernel] = [o.outputs[0].token_ids for o in
                           llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[True] == tokens[False]
@@ -105,4 +110,37 @@ def test_without_a_compiler_it_warns_and_the_pytorch_path_runs(monkeypatch, tmp_
     monkeypatch.setattr("specserve.models.layers.load_library", load_library.__wrapped__)
     with pytest.warns(RuntimeWarning):
         model = use_decode_linears(load_model(llama_dir, torch.float32, torch.device("cpu")))
-    assert model.cpu_decoder is None and model.lm_head.lib is None
+    assert not _uses_kernel(model) and model.lm_head.lib is None
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_head_layers_match_the_pytorch_path(method, tmp_path, llama_dir):
+    """EAGLE's layer (no input norm), EAGLE-3's (a 2H-wide attention input built outside the
+    kernel) and the MTP block: a draft step through the kernel equals the PyTorch path."""
+    from specserve.models.head_loader import load_head
+    from tests.proposers.test_heads import eagle3_ckpt, eagle_ckpt, mtp_target
+    make = {"eagle": eagle_ckpt, "eagle3": eagle3_ckpt, "mtp": mtp_target}[method]
+    path = make(tmp_path / method)
+    target = use_decode_linears(load_model(path if method == "mtp" else llama_dir,
+                                           torch.float32, torch.device("cpu")))
+    head = load_head(method, str(path), target, torch.device("cpu"), torch.float32)
+    layer = head.block if method == "mtp" else head.layers[0]
+    assert layer.cpu_layer is not None
+    g = torch.Generator().manual_seed(3)
+    width = head.fc.in_features if method == "eagle3" else target.args.hidden_size
+    feats = torch.randn(9, width, generator=g)
+    ids = torch.randint(0, 96, (9,), generator=g)
+    outs = []
+    for kernel in (True, False):
+        if not kernel:
+            layer.cpu_layer = None
+        a = head.args
+        cache = KVCache(1, 2, a.num_key_value_heads, 32, a.head_dim, torch.float32,
+                        torch.device("cpu"))
+        with torch.inference_mode():
+            h = head.fuse_target(feats)
+            md, pos = build_metadata([0], [6], [1], torch.device("cpu"))      # prompt pairs
+            head(ids[:6], h[:6], pos, md, cache.layers[0])
+            md, pos = build_metadata([6], [3], [1], torch.device("cpu"))      # a draft step
+            outs.append(head.draft_logits(head(ids[6:], h[6:], pos, md, cache.layers[0])))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)

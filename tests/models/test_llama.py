@@ -30,7 +30,7 @@ class Stepper:
         self.model = load_model(path, torch.float32, torch.device("cpu"))
         if kind == "kernel":
             use_decode_linears(self.model)
-            assert self.model.cpu_decoder is not None
+            assert all(layer.cpu_layer is not None for layer in self.model.layers)
         a = self.model.args
         self.cache = KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads, 256,
                              a.head_dim, torch.float32, torch.device("cpu"))
