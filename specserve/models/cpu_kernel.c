@@ -87,18 +87,30 @@ static float dot(const float *a, const float *b, int64_t n) {
     return r;
 }
 
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+
+/* 16 weights as floats: float32 as stored, or bfloat16 (the top half of a float32's bits) */
+static inline v16 load_w(const void *p, int64_t k, int bf16) {
+    if (!bf16) return load16((const float *)p + k);
+    vu16 h;
+    memcpy(&h, (const uint16_t *)p + k, sizeof h);
+    return (v16)(__builtin_convertvector(h, vi16) << 16);
+}
+
 /* Weights are packed (cpu_kernel.pack_weight) as [ceil(out / 64) * 4][in][16]: blocks of 16
- * output columns, each block's `in` rows contiguous. A tile of nb blocks times tb rows keeps
- * its tb * nb accumulators in registers while the weights stream past once; each output is
- * summed over i in order, the same for every tb and nb. */
-static inline __attribute__((always_inline)) void tile(const float *wp, const float *x,
+ * output columns, each block's `in` rows contiguous, in float32 or, for weights that bfloat16
+ * holds exactly (checkpoints stored in bfloat16), in bfloat16: half the bytes to stream and
+ * the same products. A tile of nb blocks times tb rows keeps its tb * nb accumulators in
+ * registers while the weights stream past once; each output is summed over i in order, the
+ * same for every tb and nb. */
+static inline __attribute__((always_inline)) void tile(const void *wp, int bf16, const float *x,
                                                        int64_t in, int tb, int nb, float *y) {
     v16 acc[16][4];
     for (int t = 0; t < tb; t++)
         for (int b = 0; b < nb; b++) acc[t][b] = (v16){0};
     for (int64_t i = 0; i < in; i++) {
         v16 w[4];
-        for (int b = 0; b < nb; b++) w[b] = load16(wp + (b * in + i) * 16);
+        for (int b = 0; b < nb; b++) w[b] = load_w(wp, (b * in + i) * 16, bf16);
         for (int t = 0; t < tb; t++) {
             float xv = x[t * in + i];
             for (int b = 0; b < nb; b++) acc[t][b] += w[b] * xv;
@@ -108,14 +120,26 @@ static inline __attribute__((always_inline)) void tile(const float *wp, const fl
         for (int b = 0; b < nb; b++) store16(y + t * 64 + b * 16, acc[t][b]);
 }
 
-#define TILE(TB, NB) case TB: tile(wp + c * (NB) * in * 16, xt, in, TB, NB, buf); break;
+#define TILE(TB, NB, BF)                                                                    \
+    case TB:                                                                                \
+        tile((const char *)wp + c * (NB) * in * 16 * esize, BF, xt, in, TB, NB, buf);       \
+        break;
+#define TILES(BF)                                                                           \
+    switch (rows) {                                                                         \
+        TILE(1, 4, BF) TILE(2, 4, BF) TILE(3, 4, BF) TILE(4, 4, BF)                         \
+        TILE(5, 2, BF) TILE(6, 2, BF) TILE(7, 2, BF) TILE(8, 2, BF)                         \
+        TILE(9, 1, BF) TILE(10, 1, BF) TILE(11, 1, BF) TILE(12, 1, BF)                      \
+        TILE(13, 1, BF) TILE(14, 1, BF) TILE(15, 1, BF) TILE(16, 1, BF)                     \
+    }
 
-/* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed; y has row
- * stride ldy. Up to 4 rows go in tiles of 64 columns, 5 to 8 rows in tiles of 32, 9 to 16 in
- * tiles of 16 (at most 16 accumulators); more rows go 16 at a time. Threads split the tiles. */
-void specserve_linear(const float *x, int64_t T, const float *wp, const float *bias,
+/* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed (bfloat16
+ * when bf16, else float32); y has row stride ldy. Up to 4 rows go in tiles of 64 columns, 5
+ * to 8 rows in tiles of 32, 9 to 16 in tiles of 16 (at most 16 accumulators); more rows go 16
+ * at a time. Threads split the tiles. */
+void specserve_linear(const float *x, int64_t T, const void *wp, int bf16, const float *bias,
                       int64_t out, int64_t in, float *y, int64_t ldy, int accumulate,
                       int nthreads) {
+    const int64_t esize = bf16 ? 2 : 4;
     for (int64_t t0 = 0; t0 < T; t0 += 16) {
         const int64_t rows = T - t0 < 16 ? T - t0 : 16;
         const int nb = rows <= 4 ? 4 : rows <= 8 ? 2 : 1, width = nb * 16;
@@ -124,11 +148,10 @@ void specserve_linear(const float *x, int64_t T, const float *wp, const float *b
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t c = 0; c < ntiles; c++) {
             float buf[16 * 64];
-            switch (rows) {
-                TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4)
-                TILE(5, 2) TILE(6, 2) TILE(7, 2) TILE(8, 2)
-                TILE(9, 1) TILE(10, 1) TILE(11, 1) TILE(12, 1)
-                TILE(13, 1) TILE(14, 1) TILE(15, 1) TILE(16, 1)
+            if (bf16) {
+                TILES(1)
+            } else {
+                TILES(0)
             }
             const int64_t o0 = c * width, n = out - o0 < width ? out - o0 : width;
             for (int64_t t = 0; t < rows; t++) {
@@ -185,23 +208,27 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t attn_in;        /* width of the attention input (EAGLE-3: 2 * hidden) */
     int64_t max_len;        /* KV positions per slot */
+    int64_t bf16;           /* the four weight matrices are packed in bfloat16 */
+    int64_t rot_stride;     /* floats from one row's cos (or sin) to the next row's */
     float eps, scale;
 } Shape;
 
 /* One decoder layer on the residual stream x [T, hidden], in place. The attention input is
  * attn_in [T, s->attn_in] when given (EAGLE-3 builds it from two inputs), else x normed by
  * IN_NORM (or x itself when IN_NORM is NULL: EAGLE-1). Row t is the token at position
- * positions[t] of the request in KV slot slots[t], rotated by cos/sin rows t [T, head_dim];
+ * positions[t] of the request in KV slot slots[t], rotated by cos/sin rows t (head_dim each,
+ * rot_stride apart);
  * its keys and values are written there and it attends to positions 0..positions[t] of that
  * slot (a request's rows are consecutive positions, so this is causal). k_cache, v_cache:
  * [num_slots, num_kv_heads, max_len, head_dim]. Returns 0, or -1 when out of memory. */
 int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
-                    const int64_t *slots, const int64_t *positions, const float *const *w,
+                    const int64_t *slots, const int64_t *positions, const void *const *w,
                     float *k_cache, float *v_cache, const float *cos, const float *sin,
                     int nthreads) {
     const int64_t H = s->hidden, NH = s->num_heads, NKV = s->num_kv_heads, D = s->head_dim;
     const int64_t I = s->intermediate, QKV = (NH + 2 * NKV) * D, group = NH / NKV;
     const int64_t slot_stride = NKV * s->max_len * D;
+    const int bf = (int)s->bf16;
     if (D > 1024) return -1;
     const int64_t widest = QKV > 2 * I ? QKV : 2 * I;
     float *h = malloc(sizeof(float) * T * H);
@@ -220,14 +247,14 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
         a_in = h;
     }
     const int64_t a_width = attn_in ? s->attn_in : H;
-    specserve_linear(a_in, T, w[QKV_W], w[QKV_B], QKV, a_width, wide, QKV, 0, nthreads);
+    specserve_linear(a_in, T, w[QKV_W], bf, w[QKV_B], QKV, a_width, wide, QKV, 0, nthreads);
     for (int64_t t = 0; t < T; t++) {
         float *q = wide + t * QKV, *k = q + NH * D, *v = k + NKV * D;
         if (w[Q_NORM]) {
             rms_norm(q, w[Q_NORM], s->eps, NH, D, D, D, q);
             rms_norm(k, w[K_NORM], s->eps, NKV, D, D, D, k);
         }
-        for (int64_t j = 0; j < NH + NKV; j++) rotary(q + j * D, cos + t * D, sin + t * D, D);
+        for (int64_t j = 0; j < NH + NKV; j++) rotary(q + j * D, cos + t * s->rot_stride, sin + t * s->rot_stride, D);
         for (int64_t g = 0; g < NKV; g++) {
             int64_t at = slots[t] * slot_stride + (g * s->max_len + positions[t]) * D;
             memcpy(k_cache + at, k + g * D, D * sizeof(float));
@@ -262,9 +289,9 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
         free(p);
     }
     if (!failed) {
-        specserve_linear(attn, T, w[O_W], NULL, H, NH * D, x, H, 1, nthreads);
+        specserve_linear(attn, T, w[O_W], bf, NULL, H, NH * D, x, H, 1, nthreads);
         rms_norm(x, w[POST_NORM], s->eps, T, H, H, H, h);
-        specserve_linear(h, T, w[GATE_UP_W], NULL, 2 * I, H, wide, 2 * I, 0, nthreads);
+        specserve_linear(h, T, w[GATE_UP_W], bf, NULL, 2 * I, H, wide, 2 * I, 0, nthreads);
         for (int64_t t = 0; t < T; t++) {          /* act = silu(gate) * up */
             const float *gate = wide + t * 2 * I, *up = gate + I;
             float *a = act + t * I;
@@ -272,7 +299,7 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
             exp_array(a, a, I);
             for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.f + a[i]) * up[i];
         }
-        specserve_linear(act, T, w[DOWN_W], NULL, H, I, x, H, 1, nthreads);
+        specserve_linear(act, T, w[DOWN_W], bf, NULL, H, I, x, H, 1, nthreads);
     }
     free(h); free(wide); free(act);
     return failed ? -1 : 0;

@@ -39,7 +39,8 @@ _I64 = ctypes.c_int64
 
 class _Shape(ctypes.Structure):
     _fields_ = [(n, _I64) for n in ("hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "intermediate", "attn_in", "max_len")] + [
+                                    "intermediate", "attn_in", "max_len", "bf16",
+                                    "rot_stride")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -79,8 +80,8 @@ def load_library() -> ctypes.CDLL | None:
                       f"({detail}); running the slower PyTorch path. Install a C compiler with "
                       "OpenMP (gcc) or set CC to one.", RuntimeWarning, stacklevel=2)
         return None
-    lib.specserve_linear.argtypes = [_P, _I64, _P, _P, _I64, _I64, _P, _I64, ctypes.c_int,
-                                     ctypes.c_int]
+    lib.specserve_linear.argtypes = [_P, _I64, _P, ctypes.c_int, _P, _I64, _I64, _P, _I64,
+                                     ctypes.c_int, ctypes.c_int]
     lib.specserve_linear.restype = None
     lib.specserve_layer.argtypes = [ctypes.POINTER(_Shape), _I64, _P, _P, _P, _P, _P, _P, _P,
                                     _P, _P, ctypes.c_int]
@@ -89,12 +90,17 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """[out, in] -> the kernel's layout [ceil(out / 64) * 4, in, 16]: blocks of 16 output
-    columns, each block's inputs contiguous; the padding columns are zero and never stored."""
+    """float32 [out, in] -> the kernel's layout [ceil(out / 64) * 4, in, 16]: blocks of 16
+    output columns, each block's inputs contiguous; the padding columns are zero and never
+    stored. In bfloat16 when every weight is a bfloat16 value (a checkpoint stored in bfloat16,
+    like the bundled zoo): the products are the same and the kernel streams half the bytes."""
     out, inp = weight.shape
     w = weight.detach()
     if out % 64:
         w = torch.cat([w, w.new_zeros(-out % 64, inp)])
+    as_bf16 = w.to(torch.bfloat16)
+    if torch.equal(as_bf16.float(), w):
+        w = as_bf16
     return w.view(-1, 16, inp).transpose(1, 2).contiguous()
 
 
@@ -105,7 +111,7 @@ def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
     x = x.contiguous()
     T, inp = x.shape
     y = x.new_empty(T, out_features)
-    lib.specserve_linear(x.data_ptr(), T, packed.data_ptr(),
+    lib.specserve_linear(x.data_ptr(), T, packed.data_ptr(), packed.dtype == torch.bfloat16,
                          None if bias is None else bias.data_ptr(), out_features, inp,
                          y.data_ptr(), out_features, 0, torch.get_num_threads())
     return y
@@ -125,20 +131,23 @@ class CpuLayer:
                    mlp.down_proj.kernel_weight)
         assert all(t is None or t.is_contiguous() for t in tensors)
         self.lib = lib
+        self._cache = None              # the KV cache last checked (its shape is in `shape`)
         self._keep = tensors            # the addresses below stay valid while these live
         self.weights = (_P * len(tensors))(*(None if t is None else t.data_ptr()
                                              for t in tensors))
+        bf16 = at.qkv_proj.kernel_weight.dtype == torch.bfloat16
         self.shape = _Shape(at.o_proj.out_features, at.num_heads, at.num_kv_heads, at.head_dim,
-                            mlp.intermediate, at.qkv_proj.in_features, 0,
+                            mlp.intermediate, at.qkv_proj.in_features, 0, bf16, 0,
                             layer.post_attention_layernorm.eps, at.scale)
 
     @staticmethod
     def supports(layer: torch.nn.Module) -> bool:
         """float32 on the CPU with every linear packed for the kernel (a DecodeLinear with a
-        kernel weight), head_dim <= 1024."""
+        kernel weight), all four packed in the same dtype, head_dim <= 1024."""
         at, mlp = layer.self_attn, layer.mlp
-        linears = (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        return (all(getattr(lin, "kernel_weight", None) is not None for lin in linears)
+        packed = [getattr(lin, "kernel_weight", None)
+                  for lin in (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        return (all(p is not None for p in packed) and len({p.dtype for p in packed}) == 1
                 and at.head_dim <= 1024
                 and all(p.dtype == torch.float32 and p.device.type == "cpu"
                         and p.is_contiguous() for p in layer.parameters()))
@@ -149,12 +158,17 @@ class CpuLayer:
         """x [T, H] residual stream -> the layer's output [T, H] (x is not modified);
         cos_sin: rotary rows [T, 1, head_dim]; attn_in [T, attn_in width] or None."""
         k_cache, v_cache = cache                      # [num_slots, num_kv_heads, max_len, D]
-        if not (k_cache.is_contiguous() and v_cache.is_contiguous()
-                and k_cache.dtype == torch.float32):
-            raise ValueError("CpuLayer: KV cache tensors must be contiguous float32")
-        self.shape.max_len = k_cache.shape[2]
-        out = x.contiguous().clone()
-        cos, sin = (t.contiguous() for t in cos_sin)
+        if cache is not self._cache:
+            if not (k_cache.is_contiguous() and v_cache.is_contiguous()
+                    and k_cache.dtype == torch.float32):
+                raise ValueError("CpuLayer: KV cache tensors must be contiguous float32")
+            self._cache = cache
+            self.shape.max_len = k_cache.shape[2]
+        cos, sin = cos_sin                            # [T, 1, D] rows, rot_stride apart
+        if cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
+            cos, sin = cos.contiguous(), sin.contiguous()
+        self.shape.rot_stride = cos.stride(0)
+        out = x.clone(memory_format=torch.contiguous_format)
         if attn_in is not None:
             attn_in = attn_in.contiguous()
         rc = self.lib.specserve_layer(

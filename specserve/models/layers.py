@@ -79,18 +79,22 @@ class Rotary(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_len, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)                        # [max_len, head_dim // 2]
-        self.register_buffer("cos", torch.cat([freqs, freqs], -1).cos(), persistent=False)
         # rotate_half(x) * sin == roll(x, head_dim // 2) * signed_sin: the sign of the first
-        # half is folded into the table, so applying rotary is three kernels, not six.
-        self.register_buffer("signed_sin", torch.cat([-freqs, freqs], -1).sin(),
-                             persistent=False)               # [max_len, head_dim]
+        # half is folded into the table, so applying rotary is three kernels, not six. cos and
+        # signed sin sit side by side so that one index fetches both.
+        cos = torch.cat([freqs, freqs], -1).cos()
+        signed_sin = torch.cat([-freqs, freqs], -1).sin()
+        self.register_buffer("cos_sin", torch.stack([cos, signed_sin], 1),
+                             persistent=False)               # [max_len, 2, head_dim]
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin for `positions` [..., seq] as [..., seq, 1, head_dim]; once per
-        forward."""
-        return (self.cos[positions].unsqueeze(-2).to(dtype),
-                self.signed_sin[positions].unsqueeze(-2).to(dtype))
+        """cos, signed sin for `positions` [..., seq] as [..., seq, 1, head_dim] views of one
+        [..., seq, 2, head_dim] tensor; once per forward."""
+        cs = self.cos_sin[positions]
+        if cs.dtype != dtype:
+            cs = cs.to(dtype)
+        return cs[..., 0:1, :], cs[..., 1:2, :]
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -51,7 +51,7 @@ def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "stric
     Returns [batch, max_k + 1] int64, padded with PLACEHOLDER_TOKEN_ID.
     """
     max_k = max(len(r.draft_token_ids) for r in reqs)
-    out = torch.full((len(reqs), max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    out: list[list[int]] = []
     offsets, o = [], 0
     for r in reqs:
         offsets.append(o)
@@ -86,8 +86,8 @@ def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "stric
                                      synthetic_acceptance_rate)
         else:
             emitted = _verify_random(probs_of[i], r, method, synthetic_acceptance_rate)
-        out[i, :len(emitted)] = torch.tensor(emitted)
-    return out
+        out.append(emitted + [PLACEHOLDER_TOKEN_ID] * (max_k + 1 - len(emitted)))
+    return torch.tensor(out, dtype=torch.long)
 
 
 def _uniforms(r: VerifyRequest) -> torch.Tensor:

@@ -21,15 +21,19 @@ def test_linear_rows_matches_linear_for_any_shape_and_row_count():
     g = torch.Generator().manual_seed(0)
     lib = load_library()
     for out, inp in ((40, 24), (64, 100), (130, 33), (384, 96)):
-        w = torch.randn(out, inp, generator=g)
         b = torch.randn(out, generator=g)
-        packed = pack_weight(w)
-        assert packed.shape == (-(-out // 64) * 4, inp, 16)
-        for rows in (1, 3, 4, 5, 8, 9, 16, 17, MAX_ROWS, MAX_ROWS + 3):
-            x = torch.randn(rows, inp, generator=g)
-            for bias in (None, b):
-                torch.testing.assert_close(linear_rows(lib, x, packed, bias, out),
-                                           F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+        for bf16_valued in (False, True):
+            w = torch.randn(out, inp, generator=g)
+            if bf16_valued:             # packed in bfloat16: half the bytes, same products
+                w = w.to(torch.bfloat16).float()
+            packed = pack_weight(w)
+            assert packed.shape == (-(-out // 64) * 4, inp, 16)
+            assert (packed.dtype == torch.bfloat16) == bf16_valued
+            for rows in (1, 3, 4, 5, 8, 9, 16, 17, MAX_ROWS, MAX_ROWS + 3):
+                x = torch.randn(rows, inp, generator=g)
+                for bias in (None, b):
+                    torch.testing.assert_close(linear_rows(lib, x, packed, bias, out),
+                                               F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
 
 
 def _uses_kernel(model) -> bool:
@@ -143,4 +147,31 @@ def test_head_layers_match_the_pytorch_path(method, tmp_path, llama_dir):
             head(ids[:6], h[:6], pos, md, cache.layers[0])
             md, pos = build_metadata([6], [3], [1], torch.device("cpu"))      # a draft step
             outs.append(head.draft_logits(head(ids[6:], h[6:], pos, md, cache.layers[0])))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_valued_weights_stream_as_bfloat16_with_the_same_results(llama_dir):
+    """A checkpoint stored in bfloat16 (like the bundled zoo) loaded in float32: the kernel
+    packs its weights in bfloat16, which changes no product."""
+    ids = torch.randint(0, 96, (13,), generator=torch.Generator().manual_seed(4)).tolist()
+    outs = []
+    for kernel in (True, False):
+        model = load_model(llama_dir, torch.float32, torch.device("cpu"))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
+        use_decode_linears(model)
+        a = model.args
+        cache = KVCache(a.num_hidden_layers, 2, a.num_key_value_heads, 32, a.head_dim,
+                        torch.float32, torch.device("cpu"))
+        if kernel:
+            layer = model.layers[0]
+            assert layer.mlp.down_proj.kernel_weight.dtype == torch.bfloat16
+            assert layer.cpu_layer.shape.bf16 and model.lm_head.kernel_weight.dtype == torch.bfloat16
+        else:
+            for layer in model.layers:
+                layer.cpu_layer = None
+        _step(model, cache, [ids[:10]], [0], [1])
+        with torch.inference_mode():
+            outs.append(model.compute_logits(_step(model, cache, [ids[10:]], [10], [1])))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
