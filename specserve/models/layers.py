@@ -180,18 +180,17 @@ class MLP(nn.Module):
 
 
 class DecodeLinear(nn.Module):
-    """Inference-only float32 or bfloat16 CPU linear over a oneDNN-packed copy of its weight.
+    """Inference-only float32 or bfloat16 CPU linear over a copy of its weight packed for
+    few-row inputs.
 
     MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding: a verify step
-    of 1+k rows cost well over a one-row decode step. oneDNN with the weight reordered once
-    for a multi-row layout keeps the cost nearly flat from 1 to about 8 rows, and a one-row step
-    is cheaper too (`specserve bench latency`, runs 3, 4 and 7 in benchmarks/RESULTS.md). In
-    bfloat16 the packed kernel also beats F.linear's (run 13). The price is a second copy of
-    the weights.
-
-    With `lib` (the compiled CPU kernel, float32 only), inputs of up to MAX_ROWS rows go
-    through the kernel instead, over a third copy packed for it (`kernel_weight`), which is
-    also what `CpuLayer` reads.
+    of 1+k rows cost well over a one-row decode step. With `lib` (the compiled CPU kernel,
+    float32 only), inputs of up to MAX_ROWS rows go through the kernel, over a copy packed for
+    it (`kernel_weight`, which `CpuLayer` reads too); longer inputs (prompt chunks) are
+    compute-bound and F.linear serves them as well as anything. Without the kernel, oneDNN with
+    the weight reordered once for a multi-row layout keeps the cost nearly flat from 1 to about
+    8 rows, and a one-row step is cheaper too (`specserve bench latency`, runs 3, 4 and 7 in
+    benchmarks/RESULTS.md); in bfloat16 it also beats F.linear's kernel (run 13).
     """
 
     PACK_ROWS = 16
@@ -201,16 +200,18 @@ class DecodeLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight                  # same Parameter: ties stay tied
         self.bias = linear.bias
+        self.lib = lib
+        self.kernel_weight = None if lib is None else pack_weight(linear.weight)
         # An opaque oneDNN tensor: a plain attribute, since module.to() cannot move it. The
         # layout is chosen for PACK_ROWS-row inputs; any hint > 1 gives the fast few-row
         # kernels (a plain to_mkldnn() copy runs 5 rows at 2x the cost of one).
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
-                                                              self.PACK_ROWS)
-        self.lib = lib
-        self.kernel_weight = None if lib is None else pack_weight(linear.weight)
+        self.packed = None if lib is not None else torch.ops.mkldnn._reorder_linear_weight(
+            linear.weight.detach(), self.PACK_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lib is not None and x.numel() <= MAX_ROWS * self.in_features:
+        if self.lib is not None:
+            if x.numel() > MAX_ROWS * self.in_features:
+                return F.linear(x, self.weight, self.bias)
             y = linear_rows(self.lib, x.reshape(-1, self.in_features), self.kernel_weight,
                             self.bias, self.out_features)                  # [N, out]
             return y.view(*x.shape[:-1], self.out_features)

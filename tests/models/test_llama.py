@@ -115,11 +115,13 @@ def test_decode_linear_matches_linear():
     import torch as t
 
     from specserve.models.layers import DecodeLinear, use_decode_linears
-    for bias in (False, True):
+    libs = [None] + ([load_library()] if load_library() is not None else [])
+    for bias, lib in ((b, lib) for b in (False, True) for lib in libs):
         lin = t.nn.Linear(24, 40, bias=bias)
-        dl = DecodeLinear(lin)
+        dl = DecodeLinear(lin, lib)
         assert dl.weight is lin.weight
-        for x in (t.randn(1, 24), t.randn(7, 24), t.randn(2, 5, 24), t.randn(6, 24)[::2]):
+        for x in (t.randn(1, 24), t.randn(7, 24), t.randn(2, 5, 24), t.randn(6, 24)[::2],
+                  t.randn(60, 24), t.randn(2, 40, 24)):     # the last two: past MAX_ROWS
             assert t.allclose(dl(x), lin(x), atol=1e-5)
     seq = use_decode_linears(t.nn.Sequential(t.nn.Linear(4, 4), t.nn.ReLU(), t.nn.Linear(4, 2)))
     assert [type(m).__name__ for m in seq] == ["DecodeLinear", "ReLU", "DecodeLinear"]
