@@ -57,3 +57,24 @@ def test_method_plus_tree_drafts_the_token_tree():
         configs(_args("--methods", "eagle3+tree"))
     with pytest.raises(SystemExit, match="only suffix"):
         configs(_args("--methods", "eagle3+wide", "--token-tree", tree))
+
+
+def test_weight_bytes_as_stored_and_as_the_cpu_kernel_streams_them(llama_dir):
+    import torch
+
+    from specserve.bench.offline import weight_bytes
+    from specserve.models.cpu_kernel import load_library
+    from specserve.models.layers import use_decode_linears
+    from specserve.models.loader import load_model
+    model = load_model(llama_dir, torch.float32, torch.device("cpu"))
+    a = model.args
+    embed = a.vocab_size * a.hidden_size * 4
+    total = sum(p.numel() * 4 for p in model.parameters())
+    assert weight_bytes(model) == total - (0 if a.tie_word_embeddings else embed)
+    with torch.no_grad():                   # bfloat16-valued weights, like the bundled zoo
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    use_decode_linears(model)
+    linear = sum(m.weight.numel() * 4 for m in model.modules() if hasattr(m, "kernel_weight"))
+    expected = weight_bytes(model) - (linear // 2 if load_library() is not None else 0)
+    assert weight_bytes(model, streamed=True) == expected
