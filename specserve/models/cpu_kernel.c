@@ -201,6 +201,49 @@ static void weighted_sum(const float *p, const float *v, int64_t L, int64_t D, f
     }
 }
 
+/* out[i] = scale * q . k[i] for n <= 16 keys k[i] = keys + i * D. With D a multiple of 16,
+ * each key's products are summed lane-wise over D, then the 16 keys' lanes are reduced all at
+ * once by a transposing tree of shuffles; every key goes through the same tree whatever its
+ * place in the block, so a score depends on q and its key only. */
+static void scores(const float *q, const float *keys, int64_t n, int64_t D, float scale,
+                   float *out) {
+    if (D % 16 || D > 256) {
+        for (int64_t i = 0; i < n; i++) out[i] = dot(q, keys + i * D, D) * scale;
+        return;
+    }
+    v16 part[16];
+    for (int64_t i = 0; i < 16; i++) {
+        v16 acc = {0};
+        if (i < n)
+            for (int64_t c = 0; c < D; c += 16) acc += load16(q + c) * load16(keys + i * D + c);
+        part[i] = acc;
+    }
+    typedef int32_t m16 __attribute__((vector_size(64)));
+    const m16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const m16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const m16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const m16 hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const m16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const m16 hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const m16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const m16 hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16 r1[8], r2[4], r3[2];
+    for (int i = 0; i < 8; i++)     /* lanes 0-7: key 2i's 8 partial sums, 8-15: key 2i+1's */
+        r1[i] = __builtin_shuffle(part[2 * i], part[2 * i + 1], lo1)
+                + __builtin_shuffle(part[2 * i], part[2 * i + 1], hi1);
+    for (int i = 0; i < 4; i++)     /* keys 4i..4i+3, 4 partial sums each */
+        r2[i] = __builtin_shuffle(r1[2 * i], r1[2 * i + 1], lo2)
+                + __builtin_shuffle(r1[2 * i], r1[2 * i + 1], hi2);
+    for (int i = 0; i < 2; i++)     /* keys 8i..8i+7, 2 partial sums each */
+        r3[i] = __builtin_shuffle(r2[2 * i], r2[2 * i + 1], lo3)
+                + __builtin_shuffle(r2[2 * i], r2[2 * i + 1], hi3);
+    v16 all = (__builtin_shuffle(r3[0], r3[1], lo4) + __builtin_shuffle(r3[0], r3[1], hi4))
+              * scale;                                              /* key i in lane i */
+    float buf[16];
+    store16(buf, all);
+    memcpy(out, buf, n * sizeof(float));
+}
+
 /* A layer's weights, in the order cpu_kernel.py passes them (NULL where a layer has none). */
 enum { IN_NORM, QKV_W, QKV_B, Q_NORM, K_NORM, O_W, POST_NORM, GATE_UP_W, DOWN_W, NUM_PTRS };
 
@@ -261,33 +304,50 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
             memcpy(v_cache + at, v + g * D, D * sizeof(float));
         }
     }
+    /* Attention, one work item per (run of rows of one request, KV head): the item's queries
+     * (its rows times the query heads sharing the KV head) read each block of 16 keys once. */
+    int64_t *run = malloc(sizeof(int64_t) * (T + 1)), nruns = 0;
+    if (!run) {
+        free(h); free(wide); free(act);
+        return -1;
+    }
+    for (int64_t t = 0; t < T; t++)
+        if (t == 0 || slots[t] != slots[t - 1] || positions[t] != positions[t - 1] + 1)
+            run[nruns++] = t;
+    run[nruns] = T;
     int failed = 0;
-    #pragma omp parallel num_threads(nthreads)
-    {
-        float *p = malloc(sizeof(float) * s->max_len);
+    #pragma omp parallel for num_threads(nthreads) schedule(dynamic)
+    for (int64_t item = 0; item < nruns * NKV; item++) {
+        const int64_t t0 = run[item / NKV], t1 = run[item / NKV + 1], g = item % NKV;
+        const int64_t Lmax = positions[t1 - 1] + 1;       /* positions rise within a run */
+        const int64_t base = slots[t0] * slot_stride + g * s->max_len * D;
+        const float *kc = k_cache + base, *vc = v_cache + base;
+        float *p = malloc(sizeof(float) * (t1 - t0) * group * Lmax);
         if (!p) {
             #pragma omp atomic write
             failed = 1;
+            continue;
         }
-        #pragma omp for schedule(static)
-        for (int64_t th = 0; th < T * NH; th++) {
-            if (!p) continue;
-            int64_t t = th / NH, hd = th % NH, L = positions[t] + 1;
-            const float *q = wide + t * QKV + hd * D;
-            int64_t base = slots[t] * slot_stride + (hd / group) * s->max_len * D;
-            const float *kc = k_cache + base, *vc = v_cache + base;
-            float m = -INFINITY, sum = 0.f;
-            for (int64_t j = 0; j < L; j++) {
-                p[j] = dot(q, kc + j * D, D) * s->scale;
-                if (p[j] > m) m = p[j];
+        for (int64_t j0 = 0; j0 < Lmax; j0 += 16)
+            for (int64_t t = t0; t < t1; t++) {
+                const int64_t L = positions[t] + 1, n = L - j0 < 16 ? L - j0 : 16;
+                for (int64_t a = 0; n > 0 && a < group; a++)
+                    scores(wide + t * QKV + (g * group + a) * D, kc + j0 * D, n, D, s->scale,
+                           p + ((t - t0) * group + a) * Lmax + j0);
             }
-            for (int64_t j = 0; j < L; j++) p[j] -= m;
-            exp_array(p, p, L);
-            for (int64_t j = 0; j < L; j++) sum += p[j];
-            weighted_sum(p, vc, L, D, 1.f / sum, attn + t * NH * D + hd * D);
-        }
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t a = 0; a < group; a++) {
+                float *pq = p + ((t - t0) * group + a) * Lmax, m = -INFINITY, sum = 0.f;
+                const int64_t L = positions[t] + 1;
+                for (int64_t j = 0; j < L; j++) m = pq[j] > m ? pq[j] : m;
+                for (int64_t j = 0; j < L; j++) pq[j] -= m;
+                exp_array(pq, pq, L);
+                for (int64_t j = 0; j < L; j++) sum += pq[j];
+                weighted_sum(pq, vc, L, D, 1.f / sum, attn + t * NH * D + (g * group + a) * D);
+            }
         free(p);
     }
+    free(run);
     if (!failed) {
         specserve_linear(attn, T, w[O_W], bf, NULL, H, NH * D, x, H, 1, nthreads);
         rms_norm(x, w[POST_NORM], s->eps, T, H, H, H, h);
