@@ -175,6 +175,12 @@ static void rms_norm(const float *x, const float *weight, float eps, int64_t row
     }
 }
 
+/* y = weight * x / sqrt(mean(x^2) + eps) over `rows` contiguous rows of n floats */
+void specserve_rms_norm(const float *x, const float *weight, float eps, int64_t rows, int64_t n,
+                        float *y) {
+    rms_norm(x, weight, eps, rows, n, n, n, y);
+}
+
 /* rotate-half rotary in place: x[d] * cos[d] + x[(d + D/2) % D] * signed_sin[d] */
 static void rotary(float *x, const float *cos, const float *ssin, int64_t D) {
     float tmp[1024];

@@ -86,6 +86,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_layer.argtypes = [ctypes.POINTER(_Shape), _I64, _P, _P, _P, _P, _P, _P, _P,
                                     _P, _P, ctypes.c_int]
     lib.specserve_layer.restype = ctypes.c_int
+    lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
+    lib.specserve_rms_norm.restype = None
     return lib
 
 
@@ -114,6 +116,17 @@ def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
     lib.specserve_linear(x.data_ptr(), T, packed.data_ptr(), packed.dtype == torch.bfloat16,
                          None if bias is None else bias.data_ptr(), out_features, inp,
                          y.data_ptr(), out_features, 0, torch.get_num_threads())
+    return y
+
+
+def rms_norm_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
+                  eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., n] (float32) in one C call: PyTorch's composite rms_norm is several
+    operators, tens of microseconds for a single row."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    lib.specserve_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1],
+                           x.shape[-1], y.data_ptr())
     return y
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.models.cpu_kernel import (MAX_ROWS, CpuLayer, kernel_step, linear_rows, load_library,
-                                         pack_weight)
+                                         pack_weight, rms_norm_rows)
 
 
 @dataclass(slots=True)
@@ -43,8 +43,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.lib = None         # the CPU kernel, set by use_decode_linears for inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lib is not None and x.numel() <= MAX_ROWS * x.shape[-1]:
+            return rms_norm_rows(self.lib, x, self.weight, self.eps)
         if x.dtype == torch.float32:                 # one fused kernel
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 like the reference implementation, then cast back.
@@ -91,7 +94,7 @@ class Rotary(nn.Module):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin for `positions` [..., seq] as [..., seq, 1, head_dim] views of one
         [..., seq, 2, head_dim] tensor; once per forward."""
-        cs = self.cos_sin[positions]
+        cs = self.cos_sin.index_select(0, positions.reshape(-1)).view(*positions.shape, 2, -1)
         if cs.dtype != dtype:
             cs = cs.to(dtype)
         return cs[..., 0:1, :], cs[..., 1:2, :]
@@ -227,9 +230,9 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
     (in place). Other cases keep nn.Linear: CUDA has cuBLAS; float16, and bfloat16 on a CPU
     without native bfloat16 instructions, have no fast oneDNN kernel.
 
-    With `cpu_kernel` and float32, small inputs go through the compiled CPU kernel, and every
-    decoder layer (a module with a `cpu_layer` slot) gets a CpuLayer for its few-row cached
-    steps; without a C compiler that is skipped with a warning."""
+    With `cpu_kernel` and float32, small inputs of linears and RMSNorms go through the compiled
+    CPU kernel, and every decoder layer (a module with a `cpu_layer` slot) gets a CpuLayer for
+    its few-row cached steps; without a C compiler that is skipped with a warning."""
     w = next(model.parameters())
     if w.device.type != "cpu" or not _onednn_linear_available(w.dtype):
         return model
@@ -242,6 +245,8 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
         for module in model.modules():
             if hasattr(module, "cpu_layer") and CpuLayer.supports(module):
                 module.cpu_layer = CpuLayer(module, lib)
+            elif isinstance(module, RMSNorm) and module.weight.is_contiguous():
+                module.lib = lib
     return model
 
 
