@@ -41,13 +41,10 @@ def build_metadata(starts: list[int], lens: list[int], slots: list[int],
     positions = torch.tensor([s + j for s, n in zip(starts, lens) for j in range(n)],
                              dtype=torch.long, device=device)
     max_kv = max(s + n for s, n in zip(starts, lens))
-    mask = None
+    md = _metadata(slots, lens, positions, max_kv, None, device)
     if not (B == 1 and Q == 1):
-        qpos = (torch.tensor(starts, device=device)[:, None]
-                + torch.arange(Q, device=device)[None, :])                      # [B, Q]
-        mask = (torch.arange(max_kv, device=device)[None, None, :]
-                <= qpos[:, :, None]).unsqueeze(1)                               # [B, 1, Q, L]
-    return _metadata(slots, lens, positions, max_kv, mask, device), positions
+        md.starts = list(starts)            # the causal mask, built only if a layer needs it
+    return md, positions
 
 
 def build_tree_metadata(slots: list[int], store: list[list[int]], ctx: list[list[int]],

@@ -32,10 +32,21 @@ class AttentionMetadata:
     # [num_tokens] flat index of each token in a padded [batch * max_query_len] layout;
     # None when all requests have max_query_len new tokens (no padding needed).
     pad_index: torch.Tensor | None
-    # [batch, 1, max_query_len, max_kv_len] bool, True = may attend; None for batch-1 decode.
+    # [batch, 1, max_query_len, max_kv_len] bool, True = may attend; None for batch-1 decode,
+    # and for causal steps until `attn_mask()` first builds it from `starts`.
     mask: torch.Tensor | None
     # True when rows are draft-tree nodes that see only their ancestors (not causal runs)
     tree: bool = False
+    starts: list[int] | None = None   # causal steps: each request's first new position
+
+    def attn_mask(self) -> torch.Tensor | None:
+        """The mask, built on first use: the CPU kernel's steps never need one."""
+        if self.mask is None and self.starts is not None:
+            qpos = (torch.tensor(self.starts, device=self.positions.device)[:, None]
+                    + torch.arange(self.max_query_len, device=self.positions.device))  # [B, Q]
+            self.mask = (torch.arange(self.max_kv_len, device=qpos.device)[None, None, :]
+                         <= qpos[:, :, None]).unsqueeze(1)                          # [B, 1, Q, L]
+        return self.mask
 
 
 class RMSNorm(nn.Module):
@@ -162,7 +173,7 @@ class Attention(nn.Module):
             qp[md.pad_index] = q
             qp = qp.view(B, Q, self.num_heads, self.head_dim)
         o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=md.mask, scale=self.scale,
+            qp.transpose(1, 2), keys, values, attn_mask=md.attn_mask(), scale=self.scale,
             enable_gqa=True)                                     # [B, H, Q, D]
         o = o.transpose(1, 2).reshape(B * Q, self.q_size)
         return o if md.pad_index is None else o[md.pad_index]    # [T, H * D]
