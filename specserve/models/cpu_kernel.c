@@ -1,9 +1,9 @@
 /* Few-row float32 forward of a Llama-family decoder on the CPU (see cpu_kernel.py).
  *
  * A decode or verify step feeds a handful of rows, so every weight matrix is read once from
- * memory and each row's dot products run from cache: the step costs about the weight bytes
- * over the memory bandwidth, plus one call from Python for the whole layer stack instead of
- * some twenty kernel launches per layer. Every output element is computed by the same code
+ * memory and each row's products run from cache: the step costs about the weight bytes over
+ * the memory bandwidth, plus one call from Python per layer instead of some twenty operator
+ * launches. Every output element is computed by the same code
  * in the same order whatever the other rows are, so a row's result does not depend on how
  * many rows share the step (a one-token decode and a five-token verify agree bit for bit).
  *
