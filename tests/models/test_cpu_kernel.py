@@ -65,7 +65,7 @@ def test_a_row_does_not_depend_on_what_else_is_in_the_step(hf_model):
     for together in (False, True):
         model, cache = _stepper(path)
         assert _uses_kernel(model)
-        _step(model, cache, prompts, [0, 0, 0], [0, 1, 2])          # prefill: PyTorch path
+        _step(model, cache, prompts, [0, 0, 0], [0, 1, 2])          # prefill, 41 rows
         if together:
             h = _step(model, cache, [[7], [1, 2, 3, 4, 5], [9]], [12, 9, 20], [0, 1, 2])[0]
         else:
