@@ -30,8 +30,9 @@ import torch
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # Steps of up to this many rows (decode, verify, a batch of either) take the kernel; it reads
-# each weight once per 16 rows. Longer prompt chunks take oneDNN's blocked matrix multiply,
-# which reuses weights across many rows (the two cost the same near 64 rows; run 19).
+# each weight once per 16 rows. Longer prompt chunks take PyTorch's blocked matrix multiply,
+# which reuses weights across many rows (timed side by side on the bundled target, a whole
+# step cost about the same both ways near 64 rows, and 1.5x less in the kernel at 40).
 MAX_ROWS = 48
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
