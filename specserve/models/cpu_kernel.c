@@ -14,140 +14,150 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
+/* Vector width by instruction set: a v16 on a 256-bit machine spills registers and ran at a
+ * tenth of the speed. ACC: accumulators a linear tile keeps in registers; CHUNK: rows per pass
+ * over the weights. */
+#if defined(__AVX512F__)
+#define VL 16
+#define ACC 24
+#define CHUNK 16
+#else
+#define VL 8
+#define ACC 8
+#define CHUNK 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 
-static inline v16 load16(const float *p) {
-    v16 v;
+static inline vf loadv(const float *p) {
+    vf v;
     memcpy(&v, p, sizeof v);       /* an unaligned vector load */
     return v;
 }
 
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-typedef float v4 __attribute__((vector_size(16)));
-
-static inline float hsum(v16 s) {
-    union { v16 v; v8 h[2]; } u = {s};
-    union { v8 v; v4 h[2]; } w = {u.h[0] + u.h[1]};
-    v4 a = w.h[0] + w.h[1];
-    return (a[0] + a[2]) + (a[1] + a[3]);
+static inline float hsum(vf s) {
+    float b[VL];
+    memcpy(b, &s, sizeof b);
+    for (int w = VL / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; j++) b[j] += b[j + w];
+    return b[0];
 }
 
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-/* exp of 16 floats (relative error about 2e-7): exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <=
+/* exp of VL floats (relative error about 2e-7): exp(x) = 2^n * exp(r), x = n ln2 + r, |r| <=
  * ln2 / 2, exp(r) by its degree-6 Taylor polynomial. glibc's scalar expf is not vectorised
  * without -ffast-math and costs as much as the rest of a long-context attention. */
-static inline v16 exp16(v16 x) {
-    const v16 lo = x - x - 87.f, hi = x - x + 88.f;
-    vi16 below = x < lo, above = x > hi;
-    x = (v16)(((vi16)x & ~below) | ((vi16)lo & below));
-    x = (v16)(((vi16)x & ~above) | ((vi16)hi & above));
+static inline vf expv(vf x) {
+    const vf lo = x - x - 87.f, hi = x - x + 88.f;
+    vi below = x < lo, above = x > hi;
+    x = (vf)(((vi)x & ~below) | ((vi)lo & below));
+    x = (vf)(((vi)x & ~above) | ((vi)hi & above));
     const float magic = 12582912.f;                      /* 1.5 * 2^23: rounds to an integer */
-    v16 n = (x * 1.44269504f + magic) - magic;
-    v16 r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  /* ln 2 in two parts */
-    v16 p = x - x + 1.f / 720;
+    vf n = (x * 1.44269504f + magic) - magic;
+    vf r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  /* ln 2 in two parts */
+    vf p = x - x + 1.f / 720;
     p = p * r + 1.f / 120;
     p = p * r + 1.f / 24;
     p = p * r + 1.f / 6;
     p = p * r + 0.5f;
     p = p * r + 1.f;
     p = p * r + 1.f;
-    vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
-    return p * (v16)bits;
+    vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)bits;
 }
 
-/* y[i] = exp(x[i]) for n floats, every element through exp16 (so an element's value never
+/* y[i] = exp(x[i]) for n floats, every element through expv (so an element's value never
  * depends on where it falls in the array) */
 static void exp_array(const float *x, float *y, int64_t n) {
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) store16(y + i, exp16(load16(x + i)));
+    for (; i + VL <= n; i += VL) storev(y + i, expv(loadv(x + i)));
     if (i < n) {
-        float buf[16] = {0};
+        float buf[VL] = {0};
         memcpy(buf, x + i, (n - i) * sizeof(float));
-        store16(buf, exp16(load16(buf)));
+        storev(buf, expv(loadv(buf)));
         memcpy(y + i, buf, (n - i) * sizeof(float));
     }
 }
 
 /* sum_i a[i] * b[i] in a fixed order */
 static float dot(const float *a, const float *b, int64_t n) {
-    v16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
     int64_t i = 0;
-    for (; i + 64 <= n; i += 64) {
-        s0 += load16(a + i) * load16(b + i);
-        s1 += load16(a + i + 16) * load16(b + i + 16);
-        s2 += load16(a + i + 32) * load16(b + i + 32);
-        s3 += load16(a + i + 48) * load16(b + i + 48);
+    for (; i + 4 * VL <= n; i += 4 * VL) {
+        s0 += loadv(a + i) * loadv(b + i);
+        s1 += loadv(a + i + VL) * loadv(b + i + VL);
+        s2 += loadv(a + i + 2 * VL) * loadv(b + i + 2 * VL);
+        s3 += loadv(a + i + 3 * VL) * loadv(b + i + 3 * VL);
     }
-    for (; i + 16 <= n; i += 16) s0 += load16(a + i) * load16(b + i);
+    for (; i + VL <= n; i += VL) s0 += loadv(a + i) * loadv(b + i);
     float r = hsum((s0 + s1) + (s2 + s3));
     for (; i < n; i++) r += a[i] * b[i];
     return r;
 }
 
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-
-/* 16 weights as floats: float32 as stored, or bfloat16 (the top half of a float32's bits) */
-static inline v16 load_w(const void *p, int64_t k, int bf16) {
-    if (!bf16) return load16((const float *)p + k);
-    vu16 h;
+/* VL weights as floats: float32 as stored, or bfloat16 (the top half of a float32's bits) */
+static inline vf load_w(const void *p, int64_t k, int bf16) {
+    if (!bf16) return loadv((const float *)p + k);
+    vh h;
     memcpy(&h, (const uint16_t *)p + k, sizeof h);
-    return (v16)(__builtin_convertvector(h, vi16) << 16);
+    return (vf)(__builtin_convertvector(h, vi) << 16);
 }
 
-/* Weights are packed (cpu_kernel.pack_weight) as [ceil(out / 64) * 4][in][16]: blocks of 16
- * output columns, each block's `in` rows contiguous, in float32 or, for weights that bfloat16
- * holds exactly (checkpoints stored in bfloat16), in bfloat16: half the bytes to stream and
- * the same products. A tile of nb blocks times tb rows keeps its tb * nb accumulators in
- * registers while the weights stream past once; each output is summed over i in order, the
- * same for every tb and nb. */
+/* Weights are packed (cpu_kernel.pack_weight) as [ceil(out / (4 VL)) * 4][in][VL]: blocks of
+ * VL output columns (specserve_block()), each block's `in` rows contiguous, in float32 or,
+ * for weights that bfloat16 holds exactly (checkpoints stored in bfloat16), in bfloat16: half
+ * the bytes to stream and the same products. A tile of nb blocks times tb rows keeps its
+ * tb * nb accumulators in registers while the weights stream past once; each output is summed
+ * over i in order, the same for every tb and nb. */
 static inline __attribute__((always_inline)) void tile(const void *wp, int bf16, const float *x,
                                                        int64_t in, int tb, int nb, float *y) {
-    v16 acc[16][4];
+    vf acc[16][4];
     for (int t = 0; t < tb; t++)
-        for (int b = 0; b < nb; b++) acc[t][b] = (v16){0};
+        for (int b = 0; b < nb; b++) acc[t][b] = (vf){0};
     for (int64_t i = 0; i < in; i++) {
-        v16 w[4];
-        for (int b = 0; b < nb; b++) w[b] = load_w(wp, (b * in + i) * 16, bf16);
+        vf w[4];
+        for (int b = 0; b < nb; b++) w[b] = load_w(wp, (b * in + i) * VL, bf16);
         for (int t = 0; t < tb; t++) {
             float xv = x[t * in + i];
             for (int b = 0; b < nb; b++) acc[t][b] += w[b] * xv;
         }
     }
     for (int t = 0; t < tb; t++)
-        for (int b = 0; b < nb; b++) store16(y + t * 64 + b * 16, acc[t][b]);
+        for (int b = 0; b < nb; b++) storev(y + t * 4 * VL + b * VL, acc[t][b]);
 }
 
-#define TILE(TB, NB, BF)                                                                    \
+int specserve_block(void) { return VL; }
+
+/* blocks per tile for `rows` rows: as wide as the accumulator budget allows */
+#define NB_FOR(rows) ((rows) * 4 <= ACC ? 4 : (rows) * 2 <= ACC ? 2 : 1)
+#define TILE(TB, BF)                                                                        \
     case TB:                                                                                \
-        tile((const char *)wp + c * (NB) * in * 16 * esize, BF, xt, in, TB, NB, buf);       \
+        tile((const char *)wp + c * NB_FOR(TB) * in * VL * esize, BF, xt, in, TB,           \
+             NB_FOR(TB), buf);                                                              \
         break;
 #define TILES(BF)                                                                           \
     switch (rows) {                                                                         \
-        TILE(1, 4, BF) TILE(2, 4, BF) TILE(3, 4, BF) TILE(4, 4, BF)                         \
-        TILE(5, 2, BF) TILE(6, 2, BF) TILE(7, 2, BF) TILE(8, 2, BF)                         \
-        TILE(9, 1, BF) TILE(10, 1, BF) TILE(11, 1, BF) TILE(12, 1, BF)                      \
-        TILE(13, 1, BF) TILE(14, 1, BF) TILE(15, 1, BF) TILE(16, 1, BF)                     \
+        TILE(1, BF) TILE(2, BF) TILE(3, BF) TILE(4, BF) TILE(5, BF) TILE(6, BF)             \
+        TILE(7, BF) TILE(8, BF) TILE(9, BF) TILE(10, BF) TILE(11, BF) TILE(12, BF)          \
+        TILE(13, BF) TILE(14, BF) TILE(15, BF) TILE(16, BF)                                 \
     }
 
 /* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed (bfloat16
- * when bf16, else float32); y has row stride ldy. Up to 4 rows go in tiles of 64 columns, 5
- * to 8 rows in tiles of 32, 9 to 16 in tiles of 16 (at most 16 accumulators); more rows go 16
- * at a time. Threads split the tiles. */
+ * when bf16, else float32); y has row stride ldy. Rows go CHUNK at a time, each pass in tiles
+ * as wide as NB_FOR allows. Threads split the tiles. */
 void specserve_linear(const float *x, int64_t T, const void *wp, int bf16, const float *bias,
                       int64_t out, int64_t in, float *y, int64_t ldy, int accumulate,
                       int nthreads) {
     const int64_t esize = bf16 ? 2 : 4;
-    for (int64_t t0 = 0; t0 < T; t0 += 16) {
-        const int64_t rows = T - t0 < 16 ? T - t0 : 16;
-        const int nb = rows <= 4 ? 4 : rows <= 8 ? 2 : 1, width = nb * 16;
-        const int64_t ntiles = (out + width - 1) / width;
+    for (int64_t t0 = 0; t0 < T; t0 += CHUNK) {
+        const int64_t rows = T - t0 < CHUNK ? T - t0 : CHUNK;
+        const int64_t width = NB_FOR(rows) * VL, ntiles = (out + width - 1) / width;
         const float *xt = x + t0 * in;
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t c = 0; c < ntiles; c++) {
-            float buf[16 * 64];
+            float buf[16 * 4 * VL];
             if (bf16) {
                 TILES(1)
             } else {
@@ -157,7 +167,7 @@ void specserve_linear(const float *x, int64_t T, const void *wp, int bf16, const
             for (int64_t t = 0; t < rows; t++) {
                 float *yt = y + (t0 + t) * ldy + o0;
                 for (int64_t j = 0; j < n; j++) {
-                    float v = buf[t * 64 + j] + (bias ? bias[o0 + j] : 0.f);
+                    float v = buf[t * 4 * VL + j] + (bias ? bias[o0 + j] : 0.f);
                     yt[j] = accumulate ? yt[j] + v : v;
                 }
             }
@@ -191,13 +201,13 @@ static void rotary(float *x, const float *cos, const float *ssin, int64_t D) {
 /* o[d] = scale * sum_j p[j] * v[j * D + d], accumulated in registers when D allows */
 static void weighted_sum(const float *p, const float *v, int64_t L, int64_t D, float scale,
                          float *o) {
-    if (D % 16 == 0 && D <= 256) {
-        v16 acc[16];
-        const int64_t nv = D / 16;
-        for (int64_t c = 0; c < nv; c++) acc[c] = (v16){0};
+    if (D % VL == 0 && D <= 16 * VL) {
+        vf acc[16];
+        const int64_t nv = D / VL;
+        for (int64_t c = 0; c < nv; c++) acc[c] = (vf){0};
         for (int64_t j = 0; j < L; j++)
-            for (int64_t c = 0; c < nv; c++) acc[c] += p[j] * load16(v + j * D + c * 16);
-        for (int64_t c = 0; c < nv; c++) store16(o + c * 16, acc[c] * scale);
+            for (int64_t c = 0; c < nv; c++) acc[c] += p[j] * loadv(v + j * D + c * VL);
+        for (int64_t c = 0; c < nv; c++) storev(o + c * VL, acc[c] * scale);
         return;
     }
     for (int64_t d = 0; d < D; d++) {
@@ -207,21 +217,19 @@ static void weighted_sum(const float *p, const float *v, int64_t L, int64_t D, f
     }
 }
 
-/* out[i] = scale * q . k[i] for n <= 16 keys k[i] = keys + i * D. With D a multiple of 16,
- * each key's products are summed lane-wise over D, then the 16 keys' lanes are reduced all at
- * once by a transposing tree of shuffles; every key goes through the same tree whatever its
- * place in the block, so a score depends on q and its key only. */
-static void scores(const float *q, const float *keys, int64_t n, int64_t D, float scale,
-                   float *out) {
-    if (D % 16 || D > 256) {
-        for (int64_t i = 0; i < n; i++) out[i] = dot(q, keys + i * D, D) * scale;
-        return;
-    }
+/* scores() for D a multiple of 16 on 16-lane vectors: each key's products are summed lane-wise
+ * over D, then the 16 keys' lanes are reduced all at once by a transposing tree of shuffles;
+ * every key goes through the same tree whatever its place in the block, so a score depends on
+ * q and its key only. */
+#if VL == 16
+static void scores16(const float *q, const float *keys, int64_t n, int64_t D, float scale,
+                     float *out) {
+    typedef float v16 __attribute__((vector_size(64)));
     v16 part[16];
     for (int64_t i = 0; i < 16; i++) {
         v16 acc = {0};
         if (i < n)
-            for (int64_t c = 0; c < D; c += 16) acc += load16(q + c) * load16(keys + i * D + c);
+            for (int64_t c = 0; c < D; c += 16) acc += loadv(q + c) * loadv(keys + i * D + c);
         part[i] = acc;
     }
     typedef int32_t m16 __attribute__((vector_size(64)));
@@ -246,8 +254,21 @@ static void scores(const float *q, const float *keys, int64_t n, int64_t D, floa
     v16 all = (__builtin_shuffle(r3[0], r3[1], lo4) + __builtin_shuffle(r3[0], r3[1], hi4))
               * scale;                                              /* key i in lane i */
     float buf[16];
-    store16(buf, all);
+    storev(buf, all);
     memcpy(out, buf, n * sizeof(float));
+}
+#endif
+
+/* out[i] = scale * q . k[i] for n <= 16 keys k[i] = keys + i * D */
+static void scores(const float *q, const float *keys, int64_t n, int64_t D, float scale,
+                   float *out) {
+#if VL == 16
+    if (D % 16 == 0 && D <= 256) {
+        scores16(q, keys, n, D, scale, out);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) out[i] = dot(q, keys + i * D, D) * scale;
 }
 
 /* A layer's weights, in the order cpu_kernel.py passes them (NULL where a layer has none). */

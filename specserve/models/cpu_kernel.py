@@ -89,28 +89,32 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_layer.restype = ctypes.c_int
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
+    lib.specserve_block.argtypes = []
+    lib.specserve_block.restype = ctypes.c_int
     return lib
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """float32 [out, in] -> the kernel's layout [ceil(out / 64) * 4, in, 16]: blocks of 16
-    output columns, each block's inputs contiguous; the padding columns are zero and never
-    stored. In bfloat16 when every weight is a bfloat16 value (a checkpoint stored in bfloat16,
-    like the bundled zoo): the products are the same and the kernel streams half the bytes."""
+def pack_weight(weight: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 [out, in] -> the kernel's layout [ceil(out / (4 block)) * 4, in, block]: blocks
+    of `block` output columns (the kernel's vector width, `lib.specserve_block()`), each
+    block's inputs contiguous; the padding columns are zero and never stored. In bfloat16 when
+    every weight is a bfloat16 value (a checkpoint stored in bfloat16, like the bundled zoo):
+    the products are the same and the kernel streams half the bytes."""
     out, inp = weight.shape
     w = weight.detach()
-    if out % 64:
-        w = torch.cat([w, w.new_zeros(-out % 64, inp)])
+    if out % (4 * block):
+        w = torch.cat([w, w.new_zeros(-out % (4 * block), inp)])
     as_bf16 = w.to(torch.bfloat16)
     if torch.equal(as_bf16.float(), w):
         w = as_bf16
-    return w.view(-1, 16, inp).transpose(1, 2).contiguous()
+    return w.view(-1, block, inp).transpose(1, 2).contiguous()
 
 
 def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
                 bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [T, in] @ weight.T + bias with the weight packed by `pack_weight`: [T, out]. Meant
-    for T <= MAX_ROWS; more rows work but re-read the weight every 16 rows."""
+    for T <= MAX_ROWS; more rows work but re-read the weight every 16 rows (8 on machines
+    without AVX-512)."""
     x = x.contiguous()
     T, inp = x.shape
     y = x.new_empty(T, out_features)

@@ -215,7 +215,8 @@ class DecodeLinear(nn.Module):
         self.weight = linear.weight                  # same Parameter: ties stay tied
         self.bias = linear.bias
         self.lib = lib
-        self.kernel_weight = None if lib is None else pack_weight(linear.weight)
+        self.kernel_weight = (None if lib is None
+                              else pack_weight(linear.weight, lib.specserve_block()))
         # An opaque oneDNN tensor: a plain attribute, since module.to() cannot move it. The
         # layout is chosen for PACK_ROWS-row inputs; any hint > 1 gives the fast few-row
         # kernels (a plain to_mkldnn() copy runs 5 rows at 2x the cost of one).

@@ -26,8 +26,9 @@ def test_linear_rows_matches_linear_for_any_shape_and_row_count():
             w = torch.randn(out, inp, generator=g)
             if bf16_valued:             # packed in bfloat16: half the bytes, same products
                 w = w.to(torch.bfloat16).float()
-            packed = pack_weight(w)
-            assert packed.shape == (-(-out // 64) * 4, inp, 16)
+            block = lib.specserve_block()
+            packed = pack_weight(w, block)
+            assert packed.shape == (-(-out // (4 * block)) * 4, inp, block)
             assert (packed.dtype == torch.bfloat16) == bf16_valued
             for rows in (1, 3, 4, 5, 8, 9, 16, 17, MAX_ROWS, MAX_ROWS + 3):
                 x = torch.randn(rows, inp, generator=g)
