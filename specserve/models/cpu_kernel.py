@@ -8,7 +8,8 @@ up to `MAX_ROWS` causal rows in one C call, and `linear_rows` does the same for 
 so a row's result does not depend on batch composition (a one-token decode and a five-token
 verify agree bit for bit).
 
-The C file is compiled on first use with the machine's C compiler (`$CC`, default `cc`) into
+The C file is compiled on first use with the machine's C compiler (`$CC`, default `cc`; extra
+`$CFLAGS` go last, so `CFLAGS=-march=haswell` builds for AVX2 on an AVX-512 machine) into
 `~/.cache/specserve/kernels` (or `$XDG_CACHE_HOME`); where that fails, a warning says so and
 the PyTorch path runs. Prompt chunks longer than `MAX_ROWS` and draft trees (which need a
 mask) always take the PyTorch path.
@@ -64,14 +65,15 @@ def _cpu_id() -> str:
 def load_library() -> ctypes.CDLL | None:
     """The compiled kernel, built once per source, compiler and CPU; None when it cannot be."""
     cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS, _cpu_id())).encode())
+    flags = (*FLAGS, *os.environ.get("CFLAGS", "").split())   # later flags win: -march=...
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *flags, _cpu_id())).encode())
     path = _cache_dir() / f"cpu_kernel-{key.hexdigest()[:16]}.so"
     try:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 built = Path(tmp) / path.name
-                subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True,
+                subprocess.run([cc, *flags, "-o", str(built), str(SOURCE), "-lm"], check=True,
                                capture_output=True, text=True, timeout=300)
                 os.replace(built, path)        # atomic: a concurrent build cannot half-write
         lib = ctypes.CDLL(str(path))

@@ -112,6 +112,10 @@ def test_without_a_compiler_it_warns_and_the_pytorch_path_runs(monkeypatch, tmp_
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.warns(RuntimeWarning, match="could not be built"):
         assert load_library.__wrapped__() is None
+    monkeypatch.setenv("CC", "cc")
+    monkeypatch.setenv("CFLAGS", "--no-such-flag")      # CFLAGS reach the compiler
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert load_library.__wrapped__() is None
     monkeypatch.setattr("specserve.models.layers.load_library", load_library.__wrapped__)
     with pytest.warns(RuntimeWarning):
         model = use_decode_linears(load_model(llama_dir, torch.float32, torch.device("cpu")))
