@@ -221,7 +221,7 @@ static void weighted_sum(const float *p, const float *v, int64_t L, int64_t D, f
  * over D, then the 16 keys' lanes are reduced all at once by a transposing tree of shuffles;
  * every key goes through the same tree whatever its place in the block, so a score depends on
  * q and its key only. */
-#if VL == 16
+#if VL == 16 && !defined(__clang__)     /* GCC's __builtin_shuffle */
 static void scores16(const float *q, const float *keys, int64_t n, int64_t D, float scale,
                      float *out) {
     typedef float v16 __attribute__((vector_size(64)));
@@ -262,7 +262,7 @@ static void scores16(const float *q, const float *keys, int64_t n, int64_t D, fl
 /* out[i] = scale * q . k[i] for n <= 16 keys k[i] = keys + i * D */
 static void scores(const float *q, const float *keys, int64_t n, int64_t D, float scale,
                    float *out) {
-#if VL == 16
+#if VL == 16 && !defined(__clang__)     /* GCC's __builtin_shuffle */
     if (D % 16 == 0 && D <= 256) {
         scores16(q, keys, n, D, scale, out);
         return;
