@@ -3,9 +3,9 @@
  * A decode or verify step feeds a handful of rows, so every weight matrix is read once from
  * memory and each row's products run from cache: the step costs about the weight bytes over
  * the memory bandwidth, plus one call from Python per layer instead of some twenty operator
- * launches. Every output element is computed by the same code
- * in the same order whatever the other rows are, so a row's result does not depend on how
- * many rows share the step (a one-token decode and a five-token verify agree bit for bit).
+ * launches. Every output element is computed by the same code in the same order whatever the
+ * other rows are, so a row's result does not depend on how many rows share the step (a
+ * one-token decode and a five-token verify agree bit for bit).
  *
  * Built by cpu_kernel.py with: cc -O3 -march=native -fopenmp -shared -fPIC.
  */
@@ -221,7 +221,12 @@ static void weighted_sum(const float *p, const float *v, int64_t L, int64_t D, f
  * over D, then the 16 keys' lanes are reduced all at once by a transposing tree of shuffles;
  * every key goes through the same tree whatever its place in the block, so a score depends on
  * q and its key only. */
-#if VL == 16 && !defined(__clang__)     /* GCC's __builtin_shuffle */
+#if VL == 16 && !defined(__clang__)     /* needs GCC's __builtin_shuffle */
+#define SCORES16 1
+#else
+#define SCORES16 0
+#endif
+#if SCORES16
 static void scores16(const float *q, const float *keys, int64_t n, int64_t D, float scale,
                      float *out) {
     typedef float v16 __attribute__((vector_size(64)));
@@ -262,7 +267,7 @@ static void scores16(const float *q, const float *keys, int64_t n, int64_t D, fl
 /* out[i] = scale * q . k[i] for n <= 16 keys k[i] = keys + i * D */
 static void scores(const float *q, const float *keys, int64_t n, int64_t D, float scale,
                    float *out) {
-#if VL == 16 && !defined(__clang__)     /* GCC's __builtin_shuffle */
+#if SCORES16
     if (D % 16 == 0 && D <= 256) {
         scores16(q, keys, n, D, scale, out);
         return;
@@ -324,7 +329,8 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
             rms_norm(q, w[Q_NORM], s->eps, NH, D, D, D, q);
             rms_norm(k, w[K_NORM], s->eps, NKV, D, D, D, k);
         }
-        for (int64_t j = 0; j < NH + NKV; j++) rotary(q + j * D, cos + t * s->rot_stride, sin + t * s->rot_stride, D);
+        const float *c = cos + t * s->rot_stride, *sn = sin + t * s->rot_stride;
+        for (int64_t j = 0; j < NH + NKV; j++) rotary(q + j * D, c, sn, D);
         for (int64_t g = 0; g < NKV; g++) {
             int64_t at = slots[t] * slot_stride + (g * s->max_len + positions[t]) * D;
             memcpy(k_cache + at, k + g * D, D * sizeof(float));
