@@ -113,7 +113,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         result = train_head(args.kind, cfg, Path(args.target), Path(args.out),
                             k=args.num_speculative_tokens,
                             gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)),
-                            draft_vocab=args.draft_vocab_size)
+                            draft_vocab=args.draft_vocab_size,
+                            init=Path(args.init) if args.init else None)
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
     if args.kind == "lm":
@@ -124,7 +125,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                                  Path(args.target), Path(args.out))
     else:
         bpb = train_draft(cfg, shape, Path(args.target), Path(args.out),
-                          gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)))
+                          gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)),
+                          init=Path(args.init) if args.init else None)
     if bpb != bpb:
         print(f"stopped on the time limit; run the same command again to resume "
               f"(checkpoint in {cfg.work_dir})")
@@ -188,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "here (default: runs/<name of --out>)")
     t.add_argument("--target", help="draft and heads: the target model directory; "
                    "unlikelihood: the model to fine-tune")
+    t.add_argument("--init", default=None,
+                   help="draft and heads: start from this trained draft or head (one made for "
+                        "an earlier version of the target, say) instead of fresh weights")
     t.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="heads: tokens the head drafts (Medusa heads, MLP stages; tau is "
                         "measured at this K)")
@@ -221,6 +226,9 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "train" and args.kind != "lm" and not args.target:
         raise SystemExit(f"specserve train {args.kind}: --target DIR is required")
+    if args.command == "train" and args.init and args.kind in ("lm", "unlikelihood"):
+        raise SystemExit(f"specserve train {args.kind}: --init is for draft and heads "
+                         "(unlikelihood fine-tunes --target itself)")
     try:
         args.func(args)
     except (ValueError, FileNotFoundError) as e:

@@ -54,12 +54,18 @@ def _head_args(cfg: dict, target: LlamaArgs, source: str) -> LlamaArgs:
 
 def load_head(method: str, path: str, target: nn.Module, device: torch.device,
               dtype: torch.dtype, cpu_kernel: bool = True) -> nn.Module:
-    """The head module of `method` from `path`, sharing the target's embedding/lm_head where
-    the checkpoint has none. Vocabulary and width mismatches are load errors."""
+    """The head module of `method` from `path`, ready for inference: sharing the target's
+    embedding/lm_head where the checkpoint has none. Vocabulary and width mismatches are load
+    errors."""
+    head = read_head(method, path, target)
+    return use_decode_linears(head.to(device=device, dtype=dtype).eval(), cpu_kernel)
+
+
+def read_head(method: str, path: str | Path, target: nn.Module) -> nn.Module:
+    """The head module of `method` from `path` in float32 on the CPU, as training builds it."""
     loaders = {"eagle": _load_eagle, "eagle3": _load_eagle3, "medusa": _load_medusa,
                "mlp_speculator": _load_mlp_speculator, "mtp": _load_mtp}
-    head = loaders[method](Path(path), target)
-    return use_decode_linears(head.to(device=device, dtype=dtype).eval(), cpu_kernel)
+    return loaders[method](Path(path), target)
 
 
 def _embedding(state: dict, target: nn.Module, vocab: int, hidden: int) -> nn.Embedding:

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import HEAD_METHODS
+from specserve.models.head_loader import read_head
 from specserve.models.heads import Eagle3Head, EagleHead, MedusaHeads, MLPSpeculator, MTPLayer
 from specserve.models.llama import LlamaArgs
 from specserve.models.loader import load_model
@@ -82,6 +83,23 @@ def build_head(method: str, target, k: int, draft_vocab: int | None = None,
     if method == "mtp":
         return MTPLayer(_layer_args(a), target.embed_tokens, target.lm_head)
     raise ValueError(f"unknown head method {method!r}; choose from {', '.join(HEAD_METHODS)}")
+
+
+def _init_from(head: nn.Module, method: str, d: Path, target) -> None:
+    """Copy the trained head in `d` into `head` (built for this run's shape); any mismatch (a
+    different K, draft vocabulary or width) is an error that names it."""
+    loaded = read_head(method, d, target)
+    trained = loaded.state_dict()
+    own = head.state_dict()
+    bad = sorted(k for k in own.keys() | trained.keys()
+                 if k not in own or k not in trained or own[k].shape != trained[k].shape)
+    if bad:
+        raise ValueError(f"--init {d}: that {method} head does not match the one being trained "
+                         f"(tensors {', '.join(bad[:6])} differ); give the same "
+                         "--num-speculative-tokens and --draft-vocab-size it was trained with")
+    head.load_state_dict(trained)
+    if hasattr(loaded, "aux_layers"):           # eagle3: the target layers it was trained on
+        head.aux_layers = loaded.aux_layers
 
 
 def _kl(logits: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
@@ -290,17 +308,22 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
 
 def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: int = 4,
                gen: GeneratedData | None = None, corpus: Corpus | None = None,
-               draft_vocab: int | None = None) -> dict:
-    """Train a head for `target_dir`, write it to `out`, return its tau evaluation."""
-    return train_heads({method: out}, cfg, target_dir, k, gen, corpus, draft_vocab)[method]
+               draft_vocab: int | None = None, init: Path | None = None) -> dict:
+    """Train a head for `target_dir` (starting from the head in `init` when given), write it to
+    `out`, return its tau evaluation."""
+    return train_heads({method: out}, cfg, target_dir, k, gen, corpus, draft_vocab,
+                       {method: init} if init else None)[method]
 
 
 def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: int = 4,
                 gen: GeneratedData | None = None, corpus: Corpus | None = None,
-                draft_vocab: int | None = None) -> dict[str, dict]:
+                draft_vocab: int | None = None,
+                inits: dict[str, Path] | None = None) -> dict[str, dict]:
     """Train a head of each method in `outs` (method -> output directory) on the same batches,
     write each in its format, return each one's tau evaluation ({} while unfinished; a
-    "skipped" note where the checkpoint is already past this schedule). Several
+    "skipped" note where the checkpoint is already past this schedule). A method in `inits`
+    starts from that trained head (one trained for an earlier version of the target, say)
+    instead of fresh weights; a checkpoint in the work directory still wins. Several
     methods share each step's target pass (medusa, mlp_speculator, eagle, mtp: the heads that
     read its last hidden state); the gradient-clipping norm grows with sqrt(number of heads), so
     each head is clipped about as it would be alone."""
@@ -318,6 +341,8 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
     ids = with_generated(train_ids, gen or GeneratedData(), target_dir, corpus, work, cfg.seed)
     counts = np.bincount(ids, minlength=target.args.vocab_size)
     heads = nn.ModuleDict({m: build_head(m, target, k, draft_vocab, counts) for m in methods})
+    for m, d in (inits or {}).items():
+        _init_from(heads[m], m, Path(d), target)
     heads.to(device)
     for m, head in heads.items():
         print(f"{m} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "

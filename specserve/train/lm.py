@@ -141,9 +141,12 @@ def train_lm(cfg: TrainConfig, shape: ModelShape, out: Path, vocab_size: int = 8
 
 
 def train_draft(cfg: TrainConfig, shape: ModelShape, target_dir: Path, out: Path,
-                corpus: Corpus | None = None, gen: GeneratedData | None = None) -> float:
+                corpus: Corpus | None = None, gen: GeneratedData | None = None,
+                init: Path | None = None) -> float:
     """Distil a small draft from `target_dir`: KL to the target on corpus text, plus text the
-    target generates when `gen` asks for it (none by default)."""
+    target generates when `gen` asks for it (none by default). With `init`, start from that
+    trained draft (its own shape; one distilled from an earlier version of the target, say)
+    instead of fresh weights of `shape`."""
     device = _setup(cfg)
     work = Path(cfg.work_dir)
     teacher = load_model(target_dir, torch.float32, device)
@@ -153,8 +156,14 @@ def train_draft(cfg: TrainConfig, shape: ModelShape, target_dir: Path, out: Path
     train_ids, val_ids, val_bytes = prepare_data(target_dir, work, corpus, 0)
     if gen is not None:
         train_ids = with_generated(train_ids, gen, target_dir, corpus, work, cfg.seed)
-    model = LlamaForCausalLM(shape.args(teacher.args.vocab_size))
-    init_weights(model, cfg.seed)
+    if init is None:
+        model = LlamaForCausalLM(shape.args(teacher.args.vocab_size))
+        init_weights(model, cfg.seed)
+    else:
+        model = load_model(init, torch.float32, device)
+        if model.args.vocab_size != teacher.args.vocab_size:
+            raise ValueError(f"--init {init}: the draft's vocabulary ({model.args.vocab_size}) is "
+                             f"not the target's ({teacher.args.vocab_size})")
     print(f"draft: {model.num_parameters() / 1e6:.2f}M parameters; target "
           f"{teacher.num_parameters() / 1e6:.2f}M", flush=True)
     return train_and_export(model, train_ids, (val_ids, val_bytes), cfg, device,

@@ -2,17 +2,21 @@
 
 Stages (each resumes from its checkpoint in `<work>/`):
 1. byte-level BPE tokenizer (8192 tokens) on the stdlib training files;
-2. models/code-target: 22M-parameter Llama, 2600 steps x 8 x 512 tokens (about 1.25 epochs),
-   resumed to 5200 steps (`TARGET_STAGES`), then 100 steps of unlikelihood training against its
-   own greedy 8-gram repeats (`TARGET_UL`);
-3. models/code-draft: 2.4M-parameter Llama distilled from the target (KL): 1000 steps on corpus
-   text, then to 2000 and 3000 steps with 30% target greedy continuations (`DRAFT_STAGES`);
-4. a head of every method for the target: models/code-target-{eagle,eagle3,medusa,
-   mlp-speculator,mtp} (`HEAD_RECIPES`: corpus text plus text the target wrote itself).
+2. the target: 22M-parameter Llama, 2600 steps x 8 x 512 tokens (about 1.25 epochs), resumed
+   to 5200 steps (`TARGET_STAGES`), then 100 steps of unlikelihood training against its own
+   greedy 8-gram repeats (`TARGET_UL[0]`);
+3. a 2.4M-parameter Llama draft distilled from that target (KL): 1000 steps on corpus text, then
+   to 2000 and 3000 steps with 30% target greedy continuations (`DRAFT_STAGES`);
+4. a head of every method for that target (`HEAD_RECIPES`: corpus text plus text the target
+   wrote itself). Stages 2-4 write a complete zoo to `<work>/stage1`;
+5. models/code-target: 150 more unlikelihood steps on 128-token rollouts (`TARGET_UL[1]`);
+6. models/code-draft and models/code-target-{eagle,eagle3,medusa,mlp-speculator,mtp}: the
+   stage-1 draft and heads fine-tuned for that target (`retarget`, `RETARGET_*`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from specserve.train.generated import GeneratedData
@@ -28,10 +32,13 @@ DRAFT_SHAPE = ModelShape(hidden_size=192, num_layers=2, num_heads=3, num_kv_head
 
 # Schedule lengths; each stage resumes the previous one (the cosine is recomputed).
 TARGET_STAGES = [2600, 5200]      # val bits/byte 1.303 -> 1.115
-# 8-gram repeats (loops), not 4-grams: 4-gram unlikelihood also punished the short repeats code
-# is made of and left the distribution flat (RESULTS run 15). 1.115 -> 1.178 bits/byte; greedy
-# distinct 4-grams 0.34 -> 0.64.
-TARGET_UL = UnlikelihoodConfig(ngram=8)
+# Two unlikelihood stages, (config, steps), each fine-tuning the previous model. 8-gram repeats
+# (loops), not 4-grams: 4-gram unlikelihood also punished the short repeats code is made of and
+# left the distribution flat (RESULTS run 15). The first: 1.115 -> 1.178 bits/byte, greedy
+# distinct 4-grams 0.34 -> 0.64 on average but 2 of the 8 evaluation completions below 0.5. The
+# second rolls out 128 tokens, the evaluation's length, where those loops start late (run 20).
+TARGET_UL: list[tuple[UnlikelihoodConfig, int]] = [
+    (UnlikelihoodConfig(ngram=8), 100), (UnlikelihoodConfig(ngram=8, rollout_len=128), 150)]
 
 
 def target_config(work: Path, steps: int, **kw) -> TrainConfig:
@@ -39,9 +46,10 @@ def target_config(work: Path, steps: int, **kw) -> TrainConfig:
                        lr=1.5e-3, warmup=100, eval_every=500, ckpt_every=50, **kw)
 
 
-def unlikelihood_config(work: Path, **kw) -> TrainConfig:
-    return TrainConfig(work_dir=str(work / "code-target-ul"), steps=100, batch_size=8,
-                       seq_len=512, lr=3e-4, warmup=10, eval_every=100, ckpt_every=25, **kw)
+def unlikelihood_config(work: Path, stage: int, steps: int, **kw) -> TrainConfig:
+    name = "code-target-ul" + ("" if stage == 0 else str(stage + 1))
+    return TrainConfig(work_dir=str(work / name), steps=steps, batch_size=8, seq_len=512,
+                       lr=3e-4, warmup=10, eval_every=steps, ckpt_every=25, **kw)
 
 
 def draft_config(work: Path, steps: int, **kw) -> TrainConfig:
@@ -81,9 +89,48 @@ def head_config(work: Path, methods: tuple[str, ...], steps: int, **kw) -> Train
                        ckpt_every=50, **kw)
 
 
+# Fine-tuning the stage-1 draft and heads for the final target: (steps, generated text), at
+# half their first learning rate, starting from their weights. Their work directories are
+# `<work>/retarget/...`.
+RETARGET_DRAFT = (800, GREEDY)
+RETARGET_HEADS: dict[tuple[str, ...], tuple[int, GeneratedData]] = {
+    ("eagle3",): (1000, GREEDY),
+    ("medusa", "mlp_speculator", "eagle", "mtp"): (400, GREEDY),
+}
+
+
+def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
+    """Fine-tune the draft and heads of the zoo in `prev` (trained for an earlier version of the
+    target) for `<out>/code-target`; writes `<out>/code-draft` and the heads. False when
+    stopped on the time limit (run again to resume)."""
+    out, work, prev = Path(out) / "code-target", Path(work) / "retarget", Path(prev)
+    steps, gen = RETARGET_DRAFT
+    cfg = dataclasses.replace(draft_config(work, steps, **kw), warmup=20)
+    cfg.lr /= 2
+    bpb = train_draft(cfg, DRAFT_SHAPE, out, out.parent / "code-draft", gen=gen,
+                      init=prev / "code-draft")
+    print(f"code-draft (retargeted, {steps} steps): val bits/byte {bpb:.4f}", flush=True)
+    if bpb != bpb:
+        return False
+    for methods, (steps, gen) in RETARGET_HEADS.items():
+        cfg = dataclasses.replace(head_config(work, methods, steps, **kw), warmup=20)
+        cfg.lr /= 2
+        extra = HEAD_RECIPES[methods][1]
+        results = train_heads({m: Path(head_dir(out, m)) for m in methods}, cfg, out, gen=gen,
+                              inits={m: Path(head_dir(prev / "code-target", m))
+                                     for m in methods}, **extra)
+        if not all(results.values()):
+            return False
+        for m, result in results.items():
+            done = f"tau {result['tau']:.2f} at K=4" if "tau" in result else result["skipped"]
+            print(f"{Path(head_dir(out, m)).name} (retargeted, {steps} steps): {done}", flush=True)
+    return True
+
+
 def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None = None,
               device: str = "auto") -> None:
     out_dir, work_dir = Path(out), Path(work)
+    stage1 = work_dir / "stage1"          # the zoo for the first unlikelihood stage's target
     kw = {"max_minutes": max_minutes, "device": device}
     pretrained = work_dir / "code-target-pretrained"
     for steps in TARGET_STAGES:
@@ -92,24 +139,32 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
         print(f"code-target ({steps} steps): val bits/byte {bpb:.4f}", flush=True)
         if bpb != bpb:      # NaN: stopped on the time limit
             return
-    bpb = train_unlikelihood(unlikelihood_config(work_dir, **kw), TARGET_UL, pretrained,
-                             out_dir / "code-target")
+    ul, steps = TARGET_UL[0]
+    bpb = train_unlikelihood(unlikelihood_config(work_dir, 0, steps, **kw), ul, pretrained,
+                             stage1 / "code-target")
     print(f"code-target (unlikelihood): val bits/byte {bpb:.4f}", flush=True)
     if bpb != bpb:
         return
     for steps, gen in DRAFT_STAGES:
         bpb = train_draft(draft_config(work_dir, steps, **kw), DRAFT_SHAPE,
-                          out_dir / "code-target", out_dir / "code-draft", gen=gen)
+                          stage1 / "code-target", stage1 / "code-draft", gen=gen)
         print(f"code-draft ({steps} steps): val bits/byte {bpb:.4f}", flush=True)
         if bpb != bpb:
             return
     for methods, (_, extra, stages) in HEAD_RECIPES.items():
-        outs = {m: Path(head_dir(out_dir / "code-target", m)) for m in methods}
+        outs = {m: Path(head_dir(stage1 / "code-target", m)) for m in methods}
         for steps, gen in stages:
             results = train_heads(outs, head_config(work_dir, methods, steps, **kw),
-                                  out_dir / "code-target", gen=gen, **extra)
+                                  stage1 / "code-target", gen=gen, **extra)
             if not all(results.values()):
                 return
             for m, result in results.items():
                 done = f"tau {result['tau']:.2f} at K=4" if "tau" in result else result["skipped"]
                 print(f"{outs[m].name} ({steps} steps): {done}", flush=True)
+    ul, steps = TARGET_UL[1]
+    bpb = train_unlikelihood(unlikelihood_config(work_dir, 1, steps, **kw), ul,
+                             stage1 / "code-target", out_dir / "code-target")
+    print(f"code-target (unlikelihood, stage 2): val bits/byte {bpb:.4f}", flush=True)
+    if bpb != bpb:
+        return
+    retarget(out_dir, work_dir, stage1, **kw)

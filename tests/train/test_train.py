@@ -223,6 +223,57 @@ def test_head_training_smoke(method, draft_vocab, tiny_lm, small_corpus, tmp_pat
         assert [f.name for f in shards if not f.is_symlink()] == ["model-mtp.safetensors"]
 
 
+@pytest.mark.parametrize("method", ["eagle3", "medusa"])
+def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path):
+    """--init: the run starts from the given head (with a zero learning rate it writes the same
+    weights back); a head of another shape is refused with the reason."""
+    from safetensors.torch import load_file
+
+    from specserve.train.heads import train_head
+    target, _, _ = tiny_lm
+    gen = GeneratedData(num_generated=1, generated_len=8)
+
+    def run(work: str, out: str, lr: float, **kw) -> dict:
+        cfg = TrainConfig(work_dir=str(tmp_path / work), steps=4, batch_size=2, seq_len=32,
+                          lr=lr, warmup=1, bf16=False, device="cpu")
+        return train_head(method, cfg, target, tmp_path / out, k=2, gen=gen,
+                          corpus=small_corpus, draft_vocab=100 if method == "eagle3" else None,
+                          **kw)
+
+    run("w1", "first", 3e-3)
+    run("w2", "again", 0.0, init=tmp_path / "first")
+    first = load_file(str(tmp_path / "first" / "model.safetensors"))
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert first.keys() == again.keys()
+    for k in first:
+        torch.testing.assert_close(again[k], first[k], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not match"):
+        cfg = TrainConfig(work_dir=str(tmp_path / "w3"), steps=1, batch_size=2, seq_len=32,
+                          bf16=False, device="cpu")
+        train_head(method, cfg, target, tmp_path / "x", k=3, gen=gen, corpus=small_corpus,
+                   init=tmp_path / "first")
+
+
+def test_draft_training_starts_from_init(small_corpus, tiny_lm, tmp_path):
+    from safetensors.torch import load_file
+    target, _, _ = tiny_lm
+    shape = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                       intermediate_size=64, tie_embeddings=True, max_position_embeddings=128)
+
+    def run(work: str, out: str, lr: float, **kw) -> None:
+        cfg = TrainConfig(work_dir=str(tmp_path / work), steps=4, batch_size=2, seq_len=32,
+                          lr=lr, warmup=1, bf16=False, device="cpu")
+        train_draft(cfg, shape, target, tmp_path / out, corpus=small_corpus, **kw)
+
+    run("w1", "first", 3e-3)
+    run("w2", "again", 0.0, init=tmp_path / "first")
+    first = load_file(str(tmp_path / "first" / "model.safetensors"))
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert first.keys() == again.keys()
+    for k in first:
+        torch.testing.assert_close(again[k], first[k], rtol=0, atol=0)
+
+
 def test_repeat_mask_marks_every_token_of_a_repeated_ngram():
     from specserve.train.unlikelihood import repeat_mask
     rows = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 9], [5, 6, 7, 8, 9, 10, 11, 12, 13]])
@@ -327,6 +378,7 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
 
     monkeypatch.setattr(zoo, "train_heads", heads)
     zoo.build_zoo(str(tmp_path / "models"), str(tmp_path / "work"))
-    assert calls == [s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st]
+    assert calls == ([s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st]
+                     + [s for s, _ in zoo.RETARGET_HEADS.values()])
     out = capsys.readouterr().out
     assert "past" in out and "tau 2.00 at K=4" in out
