@@ -62,6 +62,16 @@ def hf_model(request, tmp_path_factory):
     return request.param, path, make_hf_model(request.param, path)
 
 
+@pytest.fixture(params=["pytorch", "kernel"])
+def path_kind(request) -> str:
+    """A logits test runs on the PyTorch path and on the compiled CPU kernel (which takes the
+    steps of up to 48 rows)."""
+    from specserve.models.cpu_kernel import load_library
+    if request.param == "kernel" and load_library() is None:
+        pytest.skip("the CPU kernel could not be built here (no C compiler with OpenMP)")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("llama")

@@ -294,12 +294,14 @@ typedef struct {
  * positions[t] of the request in KV slot slots[t], rotated by cos/sin rows t (head_dim each,
  * rot_stride apart);
  * its keys and values are written there and it attends to positions 0..positions[t] of that
- * slot (a request's rows are consecutive positions, so this is causal). k_cache, v_cache:
- * [num_slots, num_kv_heads, max_len, head_dim]. Returns 0, or -1 when out of memory. */
+ * slot (a request's rows are consecutive positions, so this is causal), or, given `mask`
+ * (draft-tree nodes), to those of them where mask[t * mask_stride + position] is nonzero.
+ * k_cache, v_cache: [num_slots, num_kv_heads, max_len, head_dim]. Returns 0, or -1 when out
+ * of memory. */
 int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
                     const int64_t *slots, const int64_t *positions, const void *const *w,
                     float *k_cache, float *v_cache, const float *cos, const float *sin,
-                    int nthreads) {
+                    const uint8_t *mask, int64_t mask_stride, int nthreads) {
     const int64_t H = s->hidden, NH = s->num_heads, NKV = s->num_kv_heads, D = s->head_dim;
     const int64_t I = s->intermediate, QKV = (NH + 2 * NKV) * D, group = NH / NKV;
     const int64_t slot_stride = NKV * s->max_len * D;
@@ -372,9 +374,13 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
             for (int64_t a = 0; a < group; a++) {
                 float *pq = p + ((t - t0) * group + a) * Lmax, m = -INFINITY, sum = 0.f;
                 const int64_t L = positions[t] + 1;
-                for (int64_t j = 0; j < L; j++) m = pq[j] > m ? pq[j] : m;
+                const uint8_t *keep = mask ? mask + t * mask_stride : NULL;
+                for (int64_t j = 0; j < L; j++)
+                    if (!keep || keep[j]) m = pq[j] > m ? pq[j] : m;
                 for (int64_t j = 0; j < L; j++) pq[j] -= m;
                 exp_array(pq, pq, L);
+                if (keep)       /* masked keys weigh exactly 0, not expv's clamped exp(-87) */
+                    for (int64_t j = 0; j < L; j++) pq[j] = keep[j] ? pq[j] : 0.f;
                 for (int64_t j = 0; j < L; j++) sum += pq[j];
                 weighted_sum(pq, vc, L, D, 1.f / sum, attn + t * NH * D + (g * group + a) * D);
             }

@@ -3,7 +3,7 @@
 Eager PyTorch spends a batch-1 decode step of a small model mostly outside the weights: some
 twenty kernel launches per layer, and one-row matrix products that read the weights at well
 under the memory bandwidth (RESULTS runs 17 and 19). `CpuLayer` runs a decoder layer's step of
-up to `MAX_ROWS` causal rows in one C call, and `linear_rows` does the same for one matrix
+up to `MAX_ROWS` rows (causal runs, or draft-tree nodes under the step's mask) in one C call, and `linear_rows` does the same for one matrix
 (lm_head, heads). Each output element is computed the same way whatever else is in the step,
 so a row's result does not depend on batch composition (a one-token decode and a five-token
 verify agree bit for bit).
@@ -11,8 +11,7 @@ verify agree bit for bit).
 The C file is compiled on first use with the machine's C compiler (`$CC`, default `cc`; extra
 `$CFLAGS` go last, so `CFLAGS=-march=haswell` builds for AVX2 on an AVX-512 machine) into
 `~/.cache/specserve/kernels` (or `$XDG_CACHE_HOME`); where that fails, a warning says so and
-the PyTorch path runs. Prompt chunks longer than `MAX_ROWS` and draft trees (which need a
-mask) always take the PyTorch path.
+the PyTorch path runs. Prompt chunks longer than `MAX_ROWS` take the PyTorch path.
 """
 
 from __future__ import annotations
@@ -87,7 +86,7 @@ def load_library() -> ctypes.CDLL | None:
                                      ctypes.c_int, ctypes.c_int]
     lib.specserve_linear.restype = None
     lib.specserve_layer.argtypes = [ctypes.POINTER(_Shape), _I64, _P, _P, _P, _P, _P, _P, _P,
-                                    _P, _P, ctypes.c_int]
+                                    _P, _P, _P, _I64, ctypes.c_int]
     lib.specserve_layer.restype = ctypes.c_int
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
@@ -138,7 +137,7 @@ def rms_norm_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
 
 
 class CpuLayer:
-    """A decoder layer's cached step of <= MAX_ROWS causal rows in one C call: `DecoderLayer`
+    """A decoder layer's cached step of <= MAX_ROWS rows in one C call: `DecoderLayer`
     (target, draft model, EAGLE, MTP) or `Eagle3DecoderLayer` (its attention input given)."""
 
     def __init__(self, layer: torch.nn.Module, lib: ctypes.CDLL) -> None:
@@ -191,17 +190,19 @@ class CpuLayer:
         out = x.clone(memory_format=torch.contiguous_format)
         if attn_in is not None:
             attn_in = attn_in.contiguous()
+        mask = md.row_mask() if md.tree else None             # [T, max_kv] bool
         rc = self.lib.specserve_layer(
             ctypes.byref(self.shape), out.shape[0], out.data_ptr(),
             None if attn_in is None else attn_in.data_ptr(), md.token_slots.data_ptr(),
             md.positions.data_ptr(), self.weights, k_cache.data_ptr(), v_cache.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+            cos.data_ptr(), sin.data_ptr(), None if mask is None else mask.data_ptr(),
+            0 if mask is None else mask.shape[1], torch.get_num_threads())
         if rc != 0:
             raise MemoryError("CpuLayer: could not allocate the step's scratch memory")
         return out
 
 
 def kernel_step(md, x: torch.Tensor) -> bool:
-    """Whether a cached step of rows `x` [T, ...] goes through the kernel: causal rows (not a
-    draft tree), at most MAX_ROWS of them."""
-    return md is not None and not md.tree and x.shape[0] <= MAX_ROWS
+    """Whether a cached step of rows `x` [T, ...] goes through the kernel: at most MAX_ROWS
+    rows (causal runs or draft-tree nodes)."""
+    return md is not None and x.shape[0] <= MAX_ROWS

@@ -8,7 +8,7 @@ Training runs on a dense `[batch, seq, ...]` tensor with plain causal attention 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,7 @@ class AttentionMetadata:
     # True when rows are draft-tree nodes that see only their ancestors (not causal runs)
     tree: bool = False
     starts: list[int] | None = None   # causal steps: each request's first new position
+    _row_mask: torch.Tensor | None = field(default=None, repr=False)
 
     def attn_mask(self) -> torch.Tensor | None:
         """The mask, built on first use: the CPU kernel's steps never need one."""
@@ -47,6 +48,14 @@ class AttentionMetadata:
             self.mask = (torch.arange(self.max_kv_len, device=qpos.device)[None, None, :]
                          <= qpos[:, :, None]).unsqueeze(1)                          # [B, 1, Q, L]
         return self.mask
+
+    def row_mask(self) -> torch.Tensor:
+        """The mask as one row per token, [num_tokens, max_kv_len] bool contiguous (built once):
+        what the CPU kernel reads for draft-tree steps."""
+        if self._row_mask is None:
+            m = self.attn_mask()[:, 0].flatten(0, 1)                       # [B * Q, L]
+            self._row_mask = (m if self.pad_index is None else m[self.pad_index]).contiguous()
+        return self._row_mask
 
 
 class RMSNorm(nn.Module):

@@ -113,7 +113,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
         # Set by use_decode_linears on float32 CPU inference models: runs cached steps of up
-        # to MAX_ROWS causal rows in compiled code (models/cpu_kernel.py).
+        # to MAX_ROWS rows in compiled code (models/cpu_kernel.py).
         self.cpu_layer = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],

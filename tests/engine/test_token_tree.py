@@ -11,6 +11,7 @@ from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.config import SpeculativeConfig
 from specserve.engine.engine import make_kv_cache
 from specserve.engine.runner import build_metadata, build_tree_metadata, tree_rows
+from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_model
 from specserve.proposers.base import Proposal
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
@@ -44,31 +45,41 @@ def test_tree_parsing_and_config_errors():
                                   "speculative_token_tree": TREE} | over))
 
 
-def test_tree_attention_equals_each_path_run_alone(llama_dir):
+def test_tree_attention_equals_each_path_run_alone(llama_dir, path_kind):
     """One pass over [last, tree nodes] gives every node the logits of its root-to-node path
-    fed as a plain sequence, and writes each node's KV rotated for its depth."""
+    fed as a plain sequence, and writes each node's KV rotated for its depth; with a second
+    request's smaller tree in the same step (ragged rows)."""
     model = load_model(str(llama_dir), torch.float32, torch.device("cpu"))
+    if path_kind == "kernel":
+        use_decode_linears(model)
+        assert all(layer.cpu_layer is not None for layer in model.layers)
     cache = make_kv_cache(model, 2, 64)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 96, (9,), generator=g).tolist()
-    parents = TokenTree.parse(TREE).parents
-    drafts = torch.randint(0, 96, (len(parents),), generator=g).tolist()
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (9, 6)]
+    trees = [TokenTree.parse(TREE).parents, TokenTree.parse(TREE).truncated(3).parents]
+    drafts = [torch.randint(0, 96, (len(p),), generator=g).tolist() for p in trees]
     with torch.inference_mode():
-        md, pos = build_metadata([0], [8], [1], torch.device("cpu"))      # prefill 8 tokens
-        model(torch.tensor(prompt[:8]), pos, md, cache.layers)
-        store, rope, ctx, extra = tree_rows(8, 1, parents, len(drafts))
-        md = build_tree_metadata([1], [store], [ctx], [extra], torch.device("cpu"))
-        tree_logits = model.compute_logits(model(torch.tensor([prompt[8]] + drafts),
-                                                 torch.tensor(rope), md, cache.layers))
-        for i in range(len(drafts)):
-            seq = prompt + [drafts[a] for a in ancestors(parents, i)]
-            dense = model.compute_logits(model(torch.tensor([seq]),
-                                               torch.arange(len(seq))[None]))[0, -1]
-            torch.testing.assert_close(tree_logits[1 + i], dense, atol=1e-4, rtol=1e-4)
+        n = [len(p) - 1 for p in prompts]
+        md, pos = build_metadata([0, 0], n, [1, 0], torch.device("cpu"))  # prefill all but one
+        model(torch.tensor(prompts[0][:-1] + prompts[1][:-1]), pos, md, cache.layers)
+        rows = [tree_rows(k, 1, p, len(d)) for k, p, d in zip(n, trees, drafts)]
+        md = build_tree_metadata([1, 0], *[[r[i] for r in rows] for i in (0, 2, 3)],
+                                 torch.device("cpu"))
+        ids = [t for p, d in zip(prompts, drafts) for t in [p[-1]] + d]
+        rope = torch.tensor([x for r in rows for x in r[1]])
+        out = model.compute_logits(model(torch.tensor(ids), rope, md, cache.layers))
+        tree_logits = out.split([1 + len(d) for d in drafts])
+        for prompt, parents, d, logits in zip(prompts, trees, drafts, tree_logits):
+            for i in range(len(d)):
+                seq = prompt + [d[a] for a in ancestors(parents, i)]
+                dense = model.compute_logits(model(torch.tensor([seq]),
+                                                   torch.arange(len(seq))[None]))[0, -1]
+                torch.testing.assert_close(logits[1 + i], dense, atol=1e-4, rtol=1e-4)
         # the KV of node 5 = (1, 0) sits at position 10 once moved there, as a chain puts it
+        prompt, d = prompts[0], drafts[0]
         cache.move(1, [9 + 4, 9 + 5], [9, 10])
         k_chain = make_kv_cache(model, 1, 64)
-        seq = prompt + [drafts[4], drafts[5]]
+        seq = prompt + [d[4], d[5]]
         md, pos = build_metadata([0], [len(seq)], [0], torch.device("cpu"))
         model(torch.tensor(seq), pos, md, k_chain.layers)
         for (k, _), (kc, _) in zip(cache.layers, k_chain.layers):

@@ -14,15 +14,6 @@ from specserve.models.loader import load_model
 TOL = 1e-4
 
 
-@pytest.fixture(params=["pytorch", "kernel"])
-def path_kind(request) -> str:
-    """Each logits test runs on the PyTorch path and on the compiled CPU kernel (which takes
-    the steps of up to 48 rows: all of these but the longest prefill)."""
-    if request.param == "kernel" and load_library() is None:
-        pytest.skip("the CPU kernel could not be built here (no C compiler with OpenMP)")
-    return request.param
-
-
 class Stepper:
     """Drive our model with a KV cache the way the runner does."""
 
