@@ -105,16 +105,16 @@ def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
     stopped on the time limit (run again to resume)."""
     out, work, prev = Path(out) / "code-target", Path(work) / "retarget", Path(prev)
     steps, gen = RETARGET_DRAFT
-    cfg = dataclasses.replace(draft_config(work, steps, **kw), warmup=20)
-    cfg.lr /= 2
+    cfg = draft_config(work, steps, **kw)
+    cfg = dataclasses.replace(cfg, lr=cfg.lr / 2, warmup=20)
     bpb = train_draft(cfg, DRAFT_SHAPE, out, out.parent / "code-draft", gen=gen,
                       init=prev / "code-draft")
     print(f"code-draft (retargeted, {steps} steps): val bits/byte {bpb:.4f}", flush=True)
     if bpb != bpb:
         return False
     for methods, (steps, gen) in RETARGET_HEADS.items():
-        cfg = dataclasses.replace(head_config(work, methods, steps, **kw), warmup=20)
-        cfg.lr /= 2
+        cfg = head_config(work, methods, steps, **kw)
+        cfg = dataclasses.replace(cfg, lr=cfg.lr / 2, warmup=20)
         extra = HEAD_RECIPES[methods][1]
         results = train_heads({m: Path(head_dir(out, m)) for m in methods}, cfg, out, gen=gen,
                               inits={m: Path(head_dir(prev / "code-target", m))
