@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.train.bpe import train_bpe
@@ -202,7 +203,6 @@ def test_head_training_smoke(method, draft_vocab, tiny_lm, small_corpus, tmp_pat
                         gen=GeneratedData(num_generated=2, generated_len=16),
                         corpus=small_corpus, draft_vocab=draft_vocab)
     if draft_vocab:
-        from safetensors.torch import load_file
         d2t = load_file(str(tmp_path / f"tiny-{method}" / "model.safetensors"))["d2t"]
         ids = torch.arange(draft_vocab) + d2t
         assert len(set(ids.tolist())) == draft_vocab and ids.max() < 400 and d2t.any()
@@ -227,8 +227,6 @@ def test_head_training_smoke(method, draft_vocab, tiny_lm, small_corpus, tmp_pat
 def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path):
     """--init: the run starts from the given head (with a zero learning rate it writes the same
     weights back); a head of another shape is refused with the reason."""
-    from safetensors.torch import load_file
-
     from specserve.train.heads import train_head
     target, _, _ = tiny_lm
     gen = GeneratedData(num_generated=1, generated_len=8)
@@ -242,11 +240,7 @@ def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path)
 
     run("w1", "first", 3e-3)
     run("w2", "again", 0.0, init=tmp_path / "first")
-    first = load_file(str(tmp_path / "first" / "model.safetensors"))
-    again = load_file(str(tmp_path / "again" / "model.safetensors"))
-    assert first.keys() == again.keys()
-    for k in first:
-        torch.testing.assert_close(again[k], first[k], rtol=0, atol=0)
+    _assert_same_weights(tmp_path / "first", tmp_path / "again")
     with pytest.raises(ValueError, match="does not match"):
         cfg = TrainConfig(work_dir=str(tmp_path / "w3"), steps=1, batch_size=2, seq_len=32,
                           bf16=False, device="cpu")
@@ -254,8 +248,14 @@ def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path)
                    init=tmp_path / "first")
 
 
+def _assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=0)
+
+
 def test_draft_training_starts_from_init(small_corpus, tiny_lm, tmp_path):
-    from safetensors.torch import load_file
     target, _, _ = tiny_lm
     shape = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                        intermediate_size=64, tie_embeddings=True, max_position_embeddings=128)
@@ -267,11 +267,7 @@ def test_draft_training_starts_from_init(small_corpus, tiny_lm, tmp_path):
 
     run("w1", "first", 3e-3)
     run("w2", "again", 0.0, init=tmp_path / "first")
-    first = load_file(str(tmp_path / "first" / "model.safetensors"))
-    again = load_file(str(tmp_path / "again" / "model.safetensors"))
-    assert first.keys() == again.keys()
-    for k in first:
-        torch.testing.assert_close(again[k], first[k], rtol=0, atol=0)
+    _assert_same_weights(tmp_path / "first", tmp_path / "again")
 
 
 def test_repeat_mask_marks_every_token_of_a_repeated_ngram():
