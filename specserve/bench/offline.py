@@ -51,21 +51,21 @@ def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def greedy_seconds(llm, n: int) -> float:
+    """Wall time of one batch-1 greedy request of `n` new tokens after a 64-token prompt."""
+    from specserve import SamplingParams, TokensPrompt
+    t = time.perf_counter()
+    llm.generate(TokensPrompt(prompt_token_ids=list(range(10, 74))),
+                 SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - t
+
+
 def decode_ms_per_token(llm, tokens: int = 128, repeats: int = 5) -> float:
     """Batch-1 greedy decode time per token without the prompt's cost: the median over
     repeats of (time for `tokens` tokens - time for 1 token) / (tokens - 1), 64-token prompt."""
-    from specserve import SamplingParams, TokensPrompt
-    prompt = TokensPrompt(prompt_token_ids=list(range(10, 74)))
-
-    def timed(n: int) -> float:
-        t = time.perf_counter()
-        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                     use_tqdm=False)
-        return time.perf_counter() - t
-
-    timed(8)
-    return statistics.median((timed(tokens) - timed(1)) / (tokens - 1)
-                             for _ in range(repeats)) * 1e3
+    greedy_seconds(llm, 8)
+    return statistics.median((greedy_seconds(llm, tokens) - greedy_seconds(llm, 1))
+                             / (tokens - 1) for _ in range(repeats)) * 1e3
 
 
 def cpu_name() -> str:

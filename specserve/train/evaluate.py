@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 from specserve.bench.prompts import completion_prompts
@@ -30,18 +29,13 @@ def greedy_completions(model_dir: str, prompts: list[str], max_tokens: int = 128
 
 
 def step_ms(model_dir: str, tokens: int = 128, repeats: int = 3) -> float:
-    """Median batch-1 greedy decode time per token."""
-    from specserve import LLM, SamplingParams, TokensPrompt
+    """Median batch-1 greedy decode time per token (prompt included)."""
+    from specserve import LLM
+    from specserve.bench.offline import greedy_seconds
     llm = LLM(model_dir, device="cpu")
-    p = TokensPrompt(prompt_token_ids=list(range(10, 74)))
-    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    llm.generate(p, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        llm.generate(p, sp, use_tqdm=False)
-        times.append((time.perf_counter() - t) / tokens * 1e3)
-    return statistics.median(times)
+    greedy_seconds(llm, 8)
+    return statistics.median(greedy_seconds(llm, tokens) / tokens * 1e3
+                             for _ in range(repeats))
 
 
 def zoo_report(models: str = "models", results: str | None = None) -> dict:

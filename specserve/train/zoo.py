@@ -122,10 +122,14 @@ def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
                                      for m in methods}, **extra)
         if not all(results.values()):
             return False
-        for m, result in results.items():
-            done = f"tau {result['tau']:.2f} at K=4" if "tau" in result else result["skipped"]
-            print(f"{Path(head_dir(out, m)).name} (retargeted, {steps} steps): {done}", flush=True)
+        _report(results, out, f"retargeted, {steps} steps")
     return True
+
+
+def _report(results: dict[str, dict], target: Path, stage: str) -> None:
+    for m, result in results.items():
+        done = f"tau {result['tau']:.2f} at K=4" if "tau" in result else result["skipped"]
+        print(f"{Path(head_dir(target, m)).name} ({stage}): {done}", flush=True)
 
 
 def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None = None,
@@ -159,9 +163,7 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
                                   stage1 / "code-target", gen=gen, **extra)
             if not all(results.values()):
                 return
-            for m, result in results.items():
-                done = f"tau {result['tau']:.2f} at K=4" if "tau" in result else result["skipped"]
-                print(f"{outs[m].name} ({steps} steps): {done}", flush=True)
+            _report(results, stage1 / "code-target", f"{steps} steps")
     ul, steps = TARGET_UL[1]
     bpb = train_unlikelihood(unlikelihood_config(work_dir, 1, steps, **kw), ul,
                              stage1 / "code-target", out_dir / "code-target")
