@@ -403,3 +403,60 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
     free(h); free(wide); free(act);
     return failed ? -1 : 0;
 }
+
+/* Index of the first largest of x[0..n-1]; a NaN counts as largest, as in torch.argmax. */
+static int64_t argmax(const float *x, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (isnan(x[i])) return i;
+        if (x[i] > x[best]) best = i;
+    }
+    return best;
+}
+
+/* EAGLE-3 chain drafting: n greedy passes over B requests in one call, instead of a dozen
+ * operator launches from Python per pass (more than the head's own weights cost at batch 1).
+ * Pass j drafts token j of row b from state[b] (final norm, lm_head over the draft vocabulary,
+ * the first largest logit, + d2t[id] for the target id); every pass but the last then runs the
+ * head's layer (weights w, shape s) with attention input [in_norm(embed[token]);
+ * hidden_norm(state)] and the state as residual, at position pos0[b] + j of KV slot slots[b],
+ * and its output is the next state. Op for op what Eagle3Head.greedy_tokens and forward do
+ * through this kernel, so the drafts equal that loop's. cos_sin: the rotary table
+ * [positions, 2, head_dim]; state [B, H] is overwritten; tokens [B, n]. Returns 0, or -1
+ * when out of memory. */
+int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
+                           const int64_t *slots, const int64_t *pos0, const float *embed,
+                           const float *in_norm, const float *hidden_norm,
+                           const float *final_norm, const void *lm_head, int lm_bf16,
+                           int64_t vocab, const int64_t *d2t, const float *cos_sin,
+                           const void *const *w, float *k_cache, float *v_cache,
+                           int64_t *tokens, int nthreads) {
+    const int64_t H = s->hidden, D = s->head_dim;
+    Shape ls = *s;
+    ls.rot_stride = 2 * D;                  /* rows of `rot` below: cos, then sin */
+    float *normed = malloc(sizeof(float) * B * H), *logits = malloc(sizeof(float) * B * vocab);
+    float *attn_in = malloc(sizeof(float) * B * 2 * H), *rot = malloc(sizeof(float) * B * 2 * D);
+    int64_t *pos = malloc(sizeof(int64_t) * B);
+    int rc = normed && logits && attn_in && rot && pos ? 0 : -1;
+    for (int64_t j = 0; rc == 0 && j < n; j++) {
+        rms_norm(state, final_norm, s->eps, B, H, H, H, normed);
+        specserve_linear(normed, B, lm_head, lm_bf16, NULL, vocab, H, logits, vocab, 0,
+                         nthreads);
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t id = argmax(logits + b * vocab, vocab);
+            tokens[b * n + j] = id + d2t[id];
+        }
+        if (j == n - 1) break;
+        for (int64_t b = 0; b < B; b++) {
+            rms_norm(embed + tokens[b * n + j] * H, in_norm, s->eps, 1, H, H, H,
+                     attn_in + b * 2 * H);
+            rms_norm(state + b * H, hidden_norm, s->eps, 1, H, H, H, attn_in + b * 2 * H + H);
+            pos[b] = pos0[b] + j;
+            memcpy(rot + b * 2 * D, cos_sin + pos[b] * 2 * D, 2 * D * sizeof(float));
+        }
+        rc = specserve_layer(&ls, B, state, attn_in, slots, pos, w, k_cache, v_cache, rot,
+                             rot + D, NULL, 0, nthreads);
+    }
+    free(normed); free(logits); free(attn_in); free(rot); free(pos);
+    return rc;
+}

@@ -90,6 +90,9 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_layer.restype = ctypes.c_int
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
+    lib.specserve_eagle3_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 8 + [
+        ctypes.c_int, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+    lib.specserve_eagle3_chain.restype = ctypes.c_int
     lib.specserve_block.argtypes = []
     lib.specserve_block.restype = ctypes.c_int
     return lib
@@ -200,6 +203,43 @@ class CpuLayer:
         if rc != 0:
             raise MemoryError("CpuLayer: could not allocate the step's scratch memory")
         return out
+
+
+class Eagle3Chain:
+    """An EAGLE-3 head's greedy chain drafting in one C call per engine step (see
+    `specserve_eagle3_chain`): at batch 1 the dozen PyTorch operators around each pass cost
+    more than the head's weights. Built by `Eagle3Head.kernel_chain`; the drafts equal the
+    PyTorch loop's."""
+
+    def __init__(self, layer: CpuLayer, embed: torch.Tensor, in_norm: torch.Tensor,
+                 hidden_norm: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor,
+                 vocab: int, d2t: torch.Tensor, cos_sin: torch.Tensor,
+                 cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        tensors = (embed, in_norm, hidden_norm, final_norm, lm_head, d2t, cos_sin, *cache)
+        if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+            raise ValueError("Eagle3Chain: every tensor must be contiguous on the CPU")
+        self.layer, self.vocab, self._keep = layer, vocab, tensors
+        self.shape = _Shape.from_buffer_copy(layer.shape)
+        self.shape.max_len = cache[0].shape[2]
+        self.ptrs = [t.data_ptr() for t in tensors]
+        self.lm_bf16 = lm_head.dtype == torch.bfloat16
+
+    def __call__(self, state: torch.Tensor, positions: list[int], slots: list[int],
+                 n: int) -> list[list[int]]:
+        """n greedy drafts for each row of state [B, H] (the head output at each request's
+        last verified position), the first fed at positions[b] of KV slot slots[b]."""
+        state = state.contiguous().clone()
+        pos = torch.tensor(positions, dtype=torch.long)
+        slot = torch.tensor(slots, dtype=torch.long)
+        tokens = torch.empty(len(positions), n, dtype=torch.long)
+        emb, in_n, hid_n, fin_n, lm, d2t, cos_sin, k, v = self.ptrs
+        rc = self.layer.lib.specserve_eagle3_chain(
+            ctypes.byref(self.shape), len(positions), n, state.data_ptr(), slot.data_ptr(),
+            pos.data_ptr(), emb, in_n, hid_n, fin_n, lm, self.lm_bf16, self.vocab, d2t,
+            cos_sin, self.layer.weights, k, v, tokens.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("Eagle3Chain: could not allocate the step's scratch memory")
+        return tokens.tolist()
 
 
 def kernel_step(md, x: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.cpu_kernel import kernel_step
+from specserve.models.cpu_kernel import Eagle3Chain, kernel_step
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 from specserve.models.llama import DecoderLayer, LlamaArgs
 
@@ -153,6 +153,11 @@ class StatefulHead(nn.Module):
         """The k most likely next tokens (target ids, best first) for each row [T, H]: [T, k]."""
         return self.to_target_ids(self.draft_logits(out).topk(k, dim=-1).indices)
 
+    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> Eagle3Chain | None:
+        """Greedy chain drafting in compiled code for this head with KV cache `cache`, or None
+        (then the proposer runs the PyTorch loop)."""
+        return None
+
     def greedy_tokens_with_prob(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """greedy_tokens(out) and the head's probability of each: ([T], [T])."""
         logits = self.draft_logits(out).float()                              # [T, V]
@@ -227,6 +232,17 @@ class Eagle3Head(StatefulHead):
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out))                                  # [T, draft_vocab]
+
+    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> Eagle3Chain | None:
+        layer, norms = self.layers[0], (self.layers[0].input_layernorm,
+                                        self.layers[0].hidden_norm, self.norm)
+        packed = getattr(self.lm_head, "kernel_weight", None)
+        if (layer.cpu_layer is None or packed is None or any(n.lib is None for n in norms)
+                or len({n.eps for n in norms} | {layer.post_attention_layernorm.eps}) != 1):
+            return None
+        return Eagle3Chain(layer.cpu_layer, self.embed_tokens.weight, *(n.weight for n in norms),
+                           packed, self.lm_head.out_features, self.d2t, self.rotary.cos_sin,
+                           cache)
 
     def draft_to_target(self) -> torch.Tensor:
         """The target id of each draft-vocabulary id: [draft_vocab]."""

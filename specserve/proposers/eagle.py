@@ -19,6 +19,7 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.engine.runner import build_tree_metadata, ragged_inputs
 from specserve.kv_cache import KVCache
+from specserve.models.cpu_kernel import MAX_ROWS
 from specserve.models.head_loader import load_head
 from specserve.models.layers import Rotary
 from specserve.proposers.base import Proposal, ProposeBatch
@@ -47,6 +48,9 @@ class HeadProposer:
         self.threshold = config.draft_confidence_threshold
         self.tree = config.token_tree()             # None: draft a chain
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
+        # greedy chains in one compiled call where the head has one (EAGLE-3 on the CPU kernel)
+        self.chain = (self.head.kernel_chain(self.cache.layers[0])
+                      if self.tree is None and not self.threshold else None)
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs
         # request id -> target feature rows [n, F] for the positions after num_verified
         self.pending: dict[str, list[torch.Tensor]] = {}
@@ -93,6 +97,12 @@ class HeadProposer:
         state = torch.stack([last[id(r)] for r in drafting])               # [B, H]
         if self.tree is not None:
             return self._draft_trees(drafting, batch.max_num_tokens, state)
+        if self.chain is not None and len(drafting) <= MAX_ROWS:
+            # every row drafts the largest budget and keeps its own: the surplus positions'
+            # KV is overwritten like a rejected draft's
+            toks = self.chain(state, [r.num_tokens - 1 for r in drafting],
+                              [r.slot for r in drafting], max(batch.max_num_tokens))
+            return [Proposal(t[:n]) for t, n in zip(toks, batch.max_num_tokens)]
         drafts: list[list[int]] = [[] for _ in drafting]
         active = list(range(len(drafting)))
         while True:
