@@ -414,16 +414,40 @@ static int64_t argmax(const float *x, int64_t n) {
     return best;
 }
 
+/* The greedy next token of each of B rows x [B, H]: the first largest logit of
+ * lm_head(final_norm(x)) (no norm when final_norm is NULL) over `vocab` ids, plus d2t[id] when
+ * d2t is given. Scratch: normed [B, H], logits [B, vocab]. */
+static void greedy_rows(const float *x, int64_t B, int64_t H, const float *final_norm, float eps,
+                        const void *lm_head, int lm_bf16, int64_t vocab, const int64_t *d2t,
+                        float *normed, float *logits, int64_t *out, int64_t out_stride,
+                        int nthreads) {
+    if (final_norm) {
+        rms_norm(x, final_norm, eps, B, H, H, H, normed);
+        x = normed;
+    }
+    specserve_linear(x, B, lm_head, lm_bf16, NULL, vocab, H, logits, vocab, 0, nthreads);
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t id = argmax(logits + b * vocab, vocab);
+        out[b * out_stride] = id + (d2t ? d2t[id] : 0);
+    }
+}
+
+/* Rotary rows for B rows at positions pos: cos then sin per row, 2 * D floats apart. */
+static void gather_rotary(const float *cos_sin, const int64_t *pos, int64_t B, int64_t D,
+                          float *rot) {
+    for (int64_t b = 0; b < B; b++)
+        memcpy(rot + b * 2 * D, cos_sin + pos[b] * 2 * D, 2 * D * sizeof(float));
+}
+
 /* EAGLE-3 chain drafting: n greedy passes over B requests in one call, instead of a dozen
  * operator launches from Python per pass (more than the head's own weights cost at batch 1).
- * Pass j drafts token j of row b from state[b] (final norm, lm_head over the draft vocabulary,
- * the first largest logit, + d2t[id] for the target id); every pass but the last then runs the
- * head's layer (weights w, shape s) with attention input [in_norm(embed[token]);
- * hidden_norm(state)] and the state as residual, at position pos0[b] + j of KV slot slots[b],
- * and its output is the next state. Op for op what Eagle3Head.greedy_tokens and forward do
- * through this kernel, so the drafts equal that loop's. cos_sin: the rotary table
- * [positions, 2, head_dim]; state [B, H] is overwritten; tokens [B, n]. Returns 0, or -1
- * when out of memory. */
+ * Pass j drafts token j of row b from state[b] (greedy_rows with the final norm, the draft
+ * vocabulary's lm_head and d2t); every pass but the last then runs the head's layer (weights
+ * w, shape s) with attention input [in_norm(embed[token]); hidden_norm(state)] and the state
+ * as residual, at position pos0[b] + j of KV slot slots[b], and its output is the next state.
+ * Op for op what Eagle3Head.greedy_tokens and forward do through this kernel, so the drafts
+ * equal that loop's. cos_sin: the rotary table [positions, 2, head_dim]; state [B, H] is
+ * overwritten; tokens [B, n]. Returns 0, or -1 when out of memory. */
 int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
                            const int64_t *slots, const int64_t *pos0, const float *embed,
                            const float *in_norm, const float *hidden_norm,
@@ -433,30 +457,63 @@ int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
                            int64_t *tokens, int nthreads) {
     const int64_t H = s->hidden, D = s->head_dim;
     Shape ls = *s;
-    ls.rot_stride = 2 * D;                  /* rows of `rot` below: cos, then sin */
+    ls.rot_stride = 2 * D;
     float *normed = malloc(sizeof(float) * B * H), *logits = malloc(sizeof(float) * B * vocab);
     float *attn_in = malloc(sizeof(float) * B * 2 * H), *rot = malloc(sizeof(float) * B * 2 * D);
     int64_t *pos = malloc(sizeof(int64_t) * B);
     int rc = normed && logits && attn_in && rot && pos ? 0 : -1;
     for (int64_t j = 0; rc == 0 && j < n; j++) {
-        rms_norm(state, final_norm, s->eps, B, H, H, H, normed);
-        specserve_linear(normed, B, lm_head, lm_bf16, NULL, vocab, H, logits, vocab, 0,
-                         nthreads);
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t id = argmax(logits + b * vocab, vocab);
-            tokens[b * n + j] = id + d2t[id];
-        }
+        greedy_rows(state, B, H, final_norm, s->eps, lm_head, lm_bf16, vocab, d2t, normed,
+                    logits, tokens + j, n, nthreads);
         if (j == n - 1) break;
         for (int64_t b = 0; b < B; b++) {
             rms_norm(embed + tokens[b * n + j] * H, in_norm, s->eps, 1, H, H, H,
                      attn_in + b * 2 * H);
             rms_norm(state + b * H, hidden_norm, s->eps, 1, H, H, H, attn_in + b * 2 * H + H);
             pos[b] = pos0[b] + j;
-            memcpy(rot + b * 2 * D, cos_sin + pos[b] * 2 * D, 2 * D * sizeof(float));
         }
+        gather_rotary(cos_sin, pos, B, D, rot);
         rc = specserve_layer(&ls, B, state, attn_in, slots, pos, w, k_cache, v_cache, rot,
                              rot + D, NULL, 0, nthreads);
     }
     free(normed); free(logits); free(attn_in); free(rot); free(pos);
+    return rc;
+}
+
+/* Greedy chain drafting by a whole decoder (a draft model): tokens[b * n] holds each row's
+ * first draft; pass j = 1..n-1 feeds token j-1 at position pos0[b] + j - 1 of slot slots[b]
+ * through embed and the L layers (shapes s[l], weights w[l], caches k[l], v[l]) and drafts
+ * token j by greedy_rows with final_norm and lm_head. Op for op the model's forward and
+ * compute_logits through this kernel. Returns 0, or -1 when out of memory. */
+int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const int64_t *slots,
+                          const int64_t *pos0, const float *embed, const float *final_norm,
+                          const void *lm_head, int lm_bf16, int64_t vocab,
+                          const float *cos_sin, const void *const *const *w,
+                          float *const *k_cache, float *const *v_cache, int64_t *tokens,
+                          int nthreads) {
+    const int64_t H = s[0].hidden, D = s[0].head_dim;
+    Shape *ls = malloc(sizeof(Shape) * L);
+    float *x = malloc(sizeof(float) * B * H), *normed = malloc(sizeof(float) * B * H);
+    float *logits = malloc(sizeof(float) * B * vocab), *rot = malloc(sizeof(float) * B * 2 * D);
+    int64_t *pos = malloc(sizeof(int64_t) * B);
+    int rc = ls && x && normed && logits && rot && pos ? 0 : -1;
+    for (int64_t l = 0; rc == 0 && l < L; l++) {
+        ls[l] = s[l];
+        ls[l].rot_stride = 2 * D;
+    }
+    for (int64_t j = 1; rc == 0 && j < n; j++) {
+        for (int64_t b = 0; b < B; b++) {
+            memcpy(x + b * H, embed + tokens[b * n + j - 1] * H, H * sizeof(float));
+            pos[b] = pos0[b] + j - 1;
+        }
+        gather_rotary(cos_sin, pos, B, D, rot);
+        for (int64_t l = 0; rc == 0 && l < L; l++)
+            rc = specserve_layer(&ls[l], B, x, NULL, slots, pos, w[l], k_cache[l], v_cache[l],
+                                 rot, rot + D, NULL, 0, nthreads);
+        if (rc == 0)
+            greedy_rows(x, B, H, final_norm, s[0].eps, lm_head, lm_bf16, vocab, NULL, normed,
+                        logits, tokens + j, n, nthreads);
+    }
+    free(ls); free(x); free(normed); free(logits); free(rot); free(pos);
     return rc;
 }

@@ -93,6 +93,9 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_eagle3_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 8 + [
         ctypes.c_int, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.specserve_eagle3_chain.restype = ctypes.c_int
+    lib.specserve_llama_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64, _I64] + [_P] * 5 + [
+        ctypes.c_int, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
+    lib.specserve_llama_chain.restype = ctypes.c_int
     lib.specserve_block.argtypes = []
     lib.specserve_block.restype = ctypes.c_int
     return lib
@@ -205,41 +208,93 @@ class CpuLayer:
         return out
 
 
-class Eagle3Chain:
-    """An EAGLE-3 head's greedy chain drafting in one C call per engine step (see
-    `specserve_eagle3_chain`): at batch 1 the dozen PyTorch operators around each pass cost
-    more than the head's weights. Built by `Eagle3Head.kernel_chain`; the drafts equal the
-    PyTorch loop's."""
+class _Chain:
+    """Greedy chain drafting in one C call per engine step: at batch 1 the dozen PyTorch
+    operators around each pass of a small drafter cost more than its weights. The drafts equal
+    the PyTorch loop's over this kernel (the same C code computes every value)."""
+
+    def __init__(self, lib: ctypes.CDLL, cos_sin: torch.Tensor,
+                 caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 tensors: tuple[torch.Tensor, ...]) -> None:
+        tensors = (cos_sin, *tensors, *(t for c in caches for t in c))
+        if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+            raise ValueError(f"{type(self).__name__}: every tensor must be contiguous on the CPU")
+        self.lib, self._keep = lib, tensors         # the pointers stay valid while these live
+        # rotary rows and KV positions: the C code indexes both unchecked
+        self.max_positions = min(cos_sin.shape[0], *(k.shape[2] for k, _ in caches))
+        self.ptrs = [t.data_ptr() for t in tensors]
+
+    def _call(self, fn, before: tuple, slots: list[int], positions: list[int], after: tuple,
+              tokens: torch.Tensor) -> list[list[int]]:
+        """fn(*before, slots, positions, *after, tokens, threads) -> tokens [B, n] as lists."""
+        if max(positions) + tokens.shape[1] > self.max_positions:
+            raise ValueError(f"{type(self).__name__}: positions up to "
+                             f"{max(positions) + tokens.shape[1] - 1} exceed the "
+                             f"{self.max_positions} of the rotary table or KV cache")
+        slot = torch.tensor(slots, dtype=torch.long)
+        pos = torch.tensor(positions, dtype=torch.long)
+        rc = fn(*before, slot.data_ptr(), pos.data_ptr(), *after, tokens.data_ptr(),
+                torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError(f"{type(self).__name__}: could not allocate scratch memory")
+        return tokens.tolist()
+
+
+class Eagle3Chain(_Chain):
+    """An EAGLE-3 head's chain (`specserve_eagle3_chain`); built by `Eagle3Head.kernel_chain`."""
 
     def __init__(self, layer: CpuLayer, embed: torch.Tensor, in_norm: torch.Tensor,
                  hidden_norm: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor,
                  vocab: int, d2t: torch.Tensor, cos_sin: torch.Tensor,
                  cache: tuple[torch.Tensor, torch.Tensor]) -> None:
-        tensors = (embed, in_norm, hidden_norm, final_norm, lm_head, d2t, cos_sin, *cache)
-        if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
-            raise ValueError("Eagle3Chain: every tensor must be contiguous on the CPU")
-        self.layer, self.vocab, self._keep = layer, vocab, tensors
+        super().__init__(layer.lib, cos_sin, [cache],
+                         (embed, in_norm, hidden_norm, final_norm, lm_head, d2t))
+        self.layer, self.vocab = layer, vocab
         self.shape = _Shape.from_buffer_copy(layer.shape)
         self.shape.max_len = cache[0].shape[2]
-        self.ptrs = [t.data_ptr() for t in tensors]
         self.lm_bf16 = lm_head.dtype == torch.bfloat16
 
     def __call__(self, state: torch.Tensor, positions: list[int], slots: list[int],
                  n: int) -> list[list[int]]:
         """n greedy drafts for each row of state [B, H] (the head output at each request's
         last verified position), the first fed at positions[b] of KV slot slots[b]."""
-        state = state.contiguous().clone()
-        pos = torch.tensor(positions, dtype=torch.long)
-        slot = torch.tensor(slots, dtype=torch.long)
-        tokens = torch.empty(len(positions), n, dtype=torch.long)
-        emb, in_n, hid_n, fin_n, lm, d2t, cos_sin, k, v = self.ptrs
-        rc = self.layer.lib.specserve_eagle3_chain(
-            ctypes.byref(self.shape), len(positions), n, state.data_ptr(), slot.data_ptr(),
-            pos.data_ptr(), emb, in_n, hid_n, fin_n, lm, self.lm_bf16, self.vocab, d2t,
-            cos_sin, self.layer.weights, k, v, tokens.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("Eagle3Chain: could not allocate the step's scratch memory")
-        return tokens.tolist()
+        state = state.contiguous().clone()                       # the C call overwrites it
+        cos_sin, emb, in_n, hid_n, fin_n, lm, d2t, k, v = self.ptrs
+        return self._call(self.lib.specserve_eagle3_chain,
+                          (ctypes.byref(self.shape), len(slots), n, state.data_ptr()),
+                          slots, positions, (emb, in_n, hid_n, fin_n, lm, self.lm_bf16,
+                                             self.vocab, d2t, cos_sin, self.layer.weights, k, v),
+                          torch.empty(len(slots), n, dtype=torch.long))
+
+
+class LlamaChain(_Chain):
+    """A draft model's chain (`specserve_llama_chain`); built by
+    `LlamaForCausalLM.kernel_chain`."""
+
+    def __init__(self, layers: list[CpuLayer], embed: torch.Tensor, final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, vocab: int, cos_sin: torch.Tensor,
+                 caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().__init__(layers[0].lib, cos_sin, caches, (embed, final_norm, lm_head))
+        self.layers, self.vocab = layers, vocab
+        self.shapes = (_Shape * len(layers))(*(_Shape.from_buffer_copy(x.shape) for x in layers))
+        for sh, (k, _) in zip(self.shapes, caches):
+            sh.max_len = k.shape[2]
+        self.weights = (_P * len(layers))(*(ctypes.cast(x.weights, _P) for x in layers))
+        self.k = (_P * len(layers))(*(k.data_ptr() for k, _ in caches))
+        self.v = (_P * len(layers))(*(v.data_ptr() for _, v in caches))
+        self.lm_bf16 = lm_head.dtype == torch.bfloat16
+
+    def __call__(self, first: list[int], positions: list[int], slots: list[int],
+                 n: int) -> list[list[int]]:
+        """n greedy drafts per request, the first given (`first[b]`, picked from the catch-up
+        pass) and fed at positions[b] of KV slot slots[b]."""
+        tokens = torch.zeros(len(slots), n, dtype=torch.long)
+        tokens[:, 0] = torch.tensor(first)
+        cos_sin, emb, fin_n, lm = self.ptrs[:4]
+        return self._call(self.lib.specserve_llama_chain,
+                          (self.shapes, len(self.layers), len(slots), n), slots, positions,
+                          (emb, fin_n, lm, self.lm_bf16, self.vocab, cos_sin, self.weights,
+                           self.k, self.v), tokens)
 
 
 def kernel_step(md, x: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.models.cpu_kernel import kernel_step
+from specserve.models.cpu_kernel import LlamaChain, kernel_step
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -160,6 +160,18 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)                              # [..., vocab_size]
+
+    def kernel_chain(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LlamaChain | None:
+        """Greedy chain drafting in compiled code with KV caches `caches` (a draft model on the
+        CPU kernel), or None (then the proposer runs the PyTorch loop)."""
+        packed = getattr(self.lm_head, "kernel_weight", None)
+        layers = [layer.cpu_layer for layer in self.layers]
+        if (packed is None or None in layers or self.norm.lib is None
+                or len({self.norm.eps, *(x.post_attention_layernorm.eps for x in self.layers)})
+                != 1):
+            return None
+        return LlamaChain(layers, self.embed_tokens.weight, self.norm.weight, packed,
+                          self.args.vocab_size, self.rotary.cos_sin, caches)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

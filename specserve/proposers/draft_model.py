@@ -16,6 +16,7 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.runner import ragged_inputs
+from specserve.models.cpu_kernel import MAX_ROWS
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model
 from specserve.proposers.base import Proposal, ProposeBatch
@@ -48,6 +49,9 @@ class DraftModelProposer:
         self.threshold = config.draft_confidence_threshold
         self.state: dict[str, _DraftState] = {}
         self.aux_hidden_layers = ()
+        # greedy chains in one compiled call where the model has one (on the CPU kernel)
+        self.chain = (self.model.kernel_chain(self.cache.layers)
+                      if not self.sample and not self.threshold else None)
 
     def _forward(self, reqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Feed each request its tokens at `starts`; returns logits of each one's last token."""
@@ -96,7 +100,14 @@ class DraftModelProposer:
         logits = self._forward(reqs, feeds, starts)
         for r in reqs:
             self.state[r.request_id].num_computed = r.num_tokens
-        while True:
+        if self.chain is not None and len(reqs) <= MAX_ROWS:
+            # every row drafts the largest budget and keeps its own: the surplus positions'
+            # KV is overwritten like a rejected draft's
+            toks = self.chain(logits.argmax(dim=-1).tolist(), [r.num_tokens for r in reqs],
+                              [r.slot for r in reqs], max(budgets))
+            drafts = [t[:n] for t, n in zip(toks, budgets)]
+            active = []
+        while active:
             toks, ps = self._pick(logits, [reqs[i] for i in active])
             for i, t, p in zip(active, toks, ps):
                 drafts[i].append(t)

@@ -122,6 +122,44 @@ def test_without_a_compiler_it_warns_and_the_pytorch_path_runs(monkeypatch, tmp_
     assert not _uses_kernel(model) and model.lm_head.lib is None
 
 
+@pytest.mark.parametrize("method", ["eagle3", "draft_model"])
+def test_chain_drafting_in_one_call_drafts_what_the_loop_drafts(method, tmp_path, llama_dir):
+    """On the CPU kernel an EAGLE-3 head and a draft model draft their greedy chain in one
+    compiled call per step; the drafts must be the PyTorch loop's over the same kernel, at
+    batch 1 and in batches whose budgets differ (requests near max_tokens), and the output
+    stays the target's."""
+    from specserve import LLM, SamplingParams
+    from tests.conftest import make_hf_model
+    from tests.proposers.test_heads import _prompts, eagle3_ckpt, record_drafts
+    if method == "eagle3":
+        spec = {"model": str(eagle3_ckpt(tmp_path / "e3", seed=6))}
+    else:       # two layers, so that the chain runs a stack
+        make_hf_model("llama", tmp_path / "draft", seed=3, hidden_size=32,
+                      num_hidden_layers=2, intermediate_size=64)
+        spec = {"method": "draft_model", "model": str(tmp_path / "draft")}
+    ps = _prompts(6, seed=21)
+    params = [SamplingParams(temperature=0, max_tokens=5 + 4 * i, ignore_eos=True)
+              for i in range(6)]
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device="cpu").generate(
+        ps, params, use_tqdm=False)]
+    drafts = {}
+    for chain in (True, False):
+        llm = LLM(str(llama_dir), device="cpu",
+                  speculative_config=spec | {"num_speculative_tokens": 4})
+        proposer = llm.engine.proposer
+        assert proposer.chain is not None
+        if not chain:
+            proposer.chain = None
+        record = record_drafts(llm)
+        got = [llm.generate(ps[0], params[0], use_tqdm=False)[0].outputs[0].token_ids]
+        got += [o.outputs[0].token_ids for o in llm.generate(ps[1:], params[1:], use_tqdm=False)]
+        assert got == ref
+        drafts[chain] = record
+    assert sum(map(len, drafts[True])) > 40
+    assert {len(d) for d in drafts[True]} > {4}          # some budgets were cut short
+    assert drafts[True] == drafts[False]
+
+
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
 def test_head_layers_match_the_pytorch_path(method, tmp_path, llama_dir):
     """EAGLE's layer (no input norm), EAGLE-3's (a 2H-wide attention input built outside the
