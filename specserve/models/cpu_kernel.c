@@ -416,11 +416,10 @@ static int64_t argmax(const float *x, int64_t n) {
 
 /* The greedy next token of each of B rows x [B, H]: the first largest logit of
  * lm_head(final_norm(x)) (no norm when final_norm is NULL) over `vocab` ids, plus d2t[id] when
- * d2t is given. Scratch: normed [B, H], logits [B, vocab]. */
+ * d2t is given, into out[B]. Scratch: normed [B, H], logits [B, vocab]. */
 static void greedy_rows(const float *x, int64_t B, int64_t H, const float *final_norm, float eps,
                         const void *lm_head, int lm_bf16, int64_t vocab, const int64_t *d2t,
-                        float *normed, float *logits, int64_t *out, int64_t out_stride,
-                        int nthreads) {
+                        float *normed, float *logits, int64_t *out, int nthreads) {
     if (final_norm) {
         rms_norm(x, final_norm, eps, B, H, H, H, normed);
         x = normed;
@@ -428,29 +427,52 @@ static void greedy_rows(const float *x, int64_t B, int64_t H, const float *final
     specserve_linear(x, B, lm_head, lm_bf16, NULL, vocab, H, logits, vocab, 0, nthreads);
     for (int64_t b = 0; b < B; b++) {
         const int64_t id = argmax(logits + b * vocab, vocab);
-        out[b * out_stride] = id + (d2t ? d2t[id] : 0);
+        out[b] = id + (d2t ? d2t[id] : 0);
     }
 }
 
-/* Rotary rows for B rows at positions pos: cos then sin per row, 2 * D floats apart. */
-static void gather_rotary(const float *cos_sin, const int64_t *pos, int64_t B, int64_t D,
-                          float *rot) {
-    for (int64_t b = 0; b < B; b++)
-        memcpy(rot + b * 2 * D, cos_sin + pos[b] * 2 * D, 2 * D * sizeof(float));
+/* Keeps the rows rows[0..m-1] (request indices) whose budget exceeds `drafted`, in order,
+ * moving their state rows (H floats each) and tokens along where given; returns how many. */
+static int64_t keep_rows(int64_t *rows, int64_t m, const int64_t *budget, int64_t drafted,
+                         float *state, int64_t H, int64_t *tok) {
+    int64_t kept = 0;
+    for (int64_t k = 0; k < m; k++)
+        if (budget[rows[k]] > drafted) {
+            if (state && kept != k) memmove(state + kept * H, state + k * H, H * sizeof(float));
+            if (tok) tok[kept] = tok[k];
+            rows[kept++] = rows[k];
+        }
+    return kept;
 }
 
-/* EAGLE-3 chain drafting: n greedy passes over B requests in one call, instead of a dozen
- * operator launches from Python per pass (more than the head's own weights cost at batch 1).
- * Pass j drafts token j of row b from state[b] (greedy_rows with the final norm, the draft
- * vocabulary's lm_head and d2t); every pass but the last then runs the head's layer (weights
- * w, shape s) with attention input [in_norm(embed[token]); hidden_norm(state)] and the state
+/* Slots, positions (pos0[row] + offset) and rotary rows (cos then sin, 2 * D floats apart)
+ * of the m rows `rows`. */
+static void row_inputs(const int64_t *rows, int64_t m, const int64_t *slots, const int64_t *pos0,
+                       int64_t offset, const float *cos_sin, int64_t D, int64_t *slot,
+                       int64_t *pos, float *rot) {
+    for (int64_t k = 0; k < m; k++) {
+        slot[k] = slots[rows[k]];
+        pos[k] = pos0[rows[k]] + offset;
+        memcpy(rot + k * 2 * D, cos_sin + pos[k] * 2 * D, 2 * D * sizeof(float));
+    }
+}
+
+/* Chain drafting in one call, instead of a dozen operator launches from Python per pass (more
+ * than a small drafter's weights cost at batch 1). Request b drafts budget[b] <= n greedy
+ * tokens into tokens[b * n ...]; pass j runs the requests that still draft, so none writes KV
+ * past its budget. Each computes op for op what the PyTorch loop does through this kernel
+ * (Eagle3Head.greedy_tokens and forward; the model's forward and compute_logits), so the drafts
+ * equal that loop's. cos_sin: the rotary table [positions, 2, head_dim]. Return 0, or -1 when
+ * out of memory. */
+
+/* EAGLE-3: pass j drafts token j from state[b] (greedy_rows with the final norm, the draft
+ * vocabulary's lm_head and d2t); while the request drafts on, the head's layer (weights w,
+ * shape s) runs with attention input [in_norm(embed[token]); hidden_norm(state)] and the state
  * as residual, at position pos0[b] + j of KV slot slots[b], and its output is the next state.
- * Op for op what Eagle3Head.greedy_tokens and forward do through this kernel, so the drafts
- * equal that loop's. cos_sin: the rotary table [positions, 2, head_dim]; state [B, H] is
- * overwritten; tokens [B, n]. Returns 0, or -1 when out of memory. */
+ * state [B, H] is overwritten. */
 int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
-                           const int64_t *slots, const int64_t *pos0, const float *embed,
-                           const float *in_norm, const float *hidden_norm,
+                           const int64_t *slots, const int64_t *pos0, const int64_t *budget,
+                           const float *embed, const float *in_norm, const float *hidden_norm,
                            const float *final_norm, const void *lm_head, int lm_bf16,
                            int64_t vocab, const int64_t *d2t, const float *cos_sin,
                            const void *const *w, float *k_cache, float *v_cache,
@@ -460,60 +482,63 @@ int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
     ls.rot_stride = 2 * D;
     float *normed = malloc(sizeof(float) * B * H), *logits = malloc(sizeof(float) * B * vocab);
     float *attn_in = malloc(sizeof(float) * B * 2 * H), *rot = malloc(sizeof(float) * B * 2 * D);
-    int64_t *pos = malloc(sizeof(int64_t) * B);
-    int rc = normed && logits && attn_in && rot && pos ? 0 : -1;
-    for (int64_t j = 0; rc == 0 && j < n; j++) {
-        greedy_rows(state, B, H, final_norm, s->eps, lm_head, lm_bf16, vocab, d2t, normed,
-                    logits, tokens + j, n, nthreads);
-        if (j == n - 1) break;
-        for (int64_t b = 0; b < B; b++) {
-            rms_norm(embed + tokens[b * n + j] * H, in_norm, s->eps, 1, H, H, H,
-                     attn_in + b * 2 * H);
-            rms_norm(state + b * H, hidden_norm, s->eps, 1, H, H, H, attn_in + b * 2 * H + H);
-            pos[b] = pos0[b] + j;
+    int64_t *ints = malloc(sizeof(int64_t) * B * 4);
+    int rc = normed && logits && attn_in && rot && ints ? 0 : -1;
+    int64_t *rows = ints, *slot = ints + B, *pos = ints + 2 * B, *tok = ints + 3 * B, m = B;
+    for (int64_t b = 0; b < B; b++) rows[b] = b;
+    m = keep_rows(rows, m, budget, 0, state, H, NULL);
+    for (int64_t j = 0; rc == 0 && m > 0; j++) {
+        greedy_rows(state, m, H, final_norm, s->eps, lm_head, lm_bf16, vocab, d2t, normed,
+                    logits, tok, nthreads);
+        for (int64_t k = 0; k < m; k++) tokens[rows[k] * n + j] = tok[k];
+        if ((m = keep_rows(rows, m, budget, j + 1, state, H, tok)) == 0) break;
+        row_inputs(rows, m, slots, pos0, j, cos_sin, D, slot, pos, rot);
+        for (int64_t k = 0; k < m; k++) {
+            rms_norm(embed + tok[k] * H, in_norm, s->eps, 1, H, H, H, attn_in + k * 2 * H);
+            rms_norm(state + k * H, hidden_norm, s->eps, 1, H, H, H, attn_in + k * 2 * H + H);
         }
-        gather_rotary(cos_sin, pos, B, D, rot);
-        rc = specserve_layer(&ls, B, state, attn_in, slots, pos, w, k_cache, v_cache, rot,
+        rc = specserve_layer(&ls, m, state, attn_in, slot, pos, w, k_cache, v_cache, rot,
                              rot + D, NULL, 0, nthreads);
     }
-    free(normed); free(logits); free(attn_in); free(rot); free(pos);
+    free(normed); free(logits); free(attn_in); free(rot); free(ints);
     return rc;
 }
 
-/* Greedy chain drafting by a whole decoder (a draft model): tokens[b * n] holds each row's
- * first draft; pass j = 1..n-1 feeds token j-1 at position pos0[b] + j - 1 of slot slots[b]
- * through embed and the L layers (shapes s[l], weights w[l], caches k[l], v[l]) and drafts
- * token j by greedy_rows with final_norm and lm_head. Op for op the model's forward and
- * compute_logits through this kernel. Returns 0, or -1 when out of memory. */
+/* A whole decoder (a draft model): tokens[b * n] holds each request's first draft; pass j =
+ * 1, 2, ... feeds token j-1 of the requests that draft a j-th at position pos0[b] + j - 1 of
+ * slot slots[b] through embed and the L layers (shapes s[l], weights w[l], caches k[l], v[l])
+ * and drafts token j by greedy_rows with final_norm and lm_head. */
 int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const int64_t *slots,
-                          const int64_t *pos0, const float *embed, const float *final_norm,
-                          const void *lm_head, int lm_bf16, int64_t vocab,
-                          const float *cos_sin, const void *const *const *w,
+                          const int64_t *pos0, const int64_t *budget, const float *embed,
+                          const float *final_norm, const void *lm_head, int lm_bf16,
+                          int64_t vocab, const float *cos_sin, const void *const *const *w,
                           float *const *k_cache, float *const *v_cache, int64_t *tokens,
                           int nthreads) {
     const int64_t H = s[0].hidden, D = s[0].head_dim;
     Shape *ls = malloc(sizeof(Shape) * L);
     float *x = malloc(sizeof(float) * B * H), *normed = malloc(sizeof(float) * B * H);
     float *logits = malloc(sizeof(float) * B * vocab), *rot = malloc(sizeof(float) * B * 2 * D);
-    int64_t *pos = malloc(sizeof(int64_t) * B);
-    int rc = ls && x && normed && logits && rot && pos ? 0 : -1;
+    int64_t *ints = malloc(sizeof(int64_t) * B * 4);
+    int rc = ls && x && normed && logits && rot && ints ? 0 : -1;
+    int64_t *rows = ints, *slot = ints + B, *pos = ints + 2 * B, *tok = ints + 3 * B, m = B;
     for (int64_t l = 0; rc == 0 && l < L; l++) {
         ls[l] = s[l];
         ls[l].rot_stride = 2 * D;
     }
-    for (int64_t j = 1; rc == 0 && j < n; j++) {
-        for (int64_t b = 0; b < B; b++) {
-            memcpy(x + b * H, embed + tokens[b * n + j - 1] * H, H * sizeof(float));
-            pos[b] = pos0[b] + j - 1;
-        }
-        gather_rotary(cos_sin, pos, B, D, rot);
+    for (int64_t b = 0; b < B; b++) rows[b] = b;
+    for (int64_t j = 1; rc == 0 && (m = keep_rows(rows, m, budget, j, NULL, H, NULL)) > 0; j++) {
+        row_inputs(rows, m, slots, pos0, j - 1, cos_sin, D, slot, pos, rot);
+        for (int64_t k = 0; k < m; k++)
+            memcpy(x + k * H, embed + tokens[rows[k] * n + j - 1] * H, H * sizeof(float));
         for (int64_t l = 0; rc == 0 && l < L; l++)
-            rc = specserve_layer(&ls[l], B, x, NULL, slots, pos, w[l], k_cache[l], v_cache[l],
+            rc = specserve_layer(&ls[l], m, x, NULL, slot, pos, w[l], k_cache[l], v_cache[l],
                                  rot, rot + D, NULL, 0, nthreads);
-        if (rc == 0)
-            greedy_rows(x, B, H, final_norm, s[0].eps, lm_head, lm_bf16, vocab, NULL, normed,
-                        logits, tokens + j, n, nthreads);
+        if (rc == 0) {
+            greedy_rows(x, m, H, final_norm, s[0].eps, lm_head, lm_bf16, vocab, NULL, normed,
+                        logits, tok, nthreads);
+            for (int64_t k = 0; k < m; k++) tokens[rows[k] * n + j] = tok[k];
+        }
     }
-    free(ls); free(x); free(normed); free(logits); free(rot); free(pos);
+    free(ls); free(x); free(normed); free(logits); free(rot); free(ints);
     return rc;
 }

@@ -90,10 +90,10 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_layer.restype = ctypes.c_int
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
-    lib.specserve_eagle3_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 8 + [
+    lib.specserve_eagle3_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 9 + [
         ctypes.c_int, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.specserve_eagle3_chain.restype = ctypes.c_int
-    lib.specserve_llama_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64, _I64] + [_P] * 5 + [
+    lib.specserve_llama_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64, _I64] + [_P] * 6 + [
         ctypes.c_int, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.specserve_llama_chain.restype = ctypes.c_int
     lib.specserve_block.argtypes = []
@@ -220,24 +220,24 @@ class _Chain:
         if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
             raise ValueError(f"{type(self).__name__}: every tensor must be contiguous on the CPU")
         self.lib, self._keep = lib, tensors         # the pointers stay valid while these live
-        # rotary rows and KV positions: the C code indexes both unchecked
+        # rotary rows and KV positions: the C code indexes both unchecked (a chain writes
+        # positions[b] .. positions[b] + budgets[b] - 2)
         self.max_positions = min(cos_sin.shape[0], *(k.shape[2] for k, _ in caches))
         self.ptrs = [t.data_ptr() for t in tensors]
 
-    def _call(self, fn, before: tuple, slots: list[int], positions: list[int], after: tuple,
-              tokens: torch.Tensor) -> list[list[int]]:
-        """fn(*before, slots, positions, *after, tokens, threads) -> tokens [B, n] as lists."""
-        if max(positions) + tokens.shape[1] > self.max_positions:
-            raise ValueError(f"{type(self).__name__}: positions up to "
-                             f"{max(positions) + tokens.shape[1] - 1} exceed the "
+    def _call(self, fn, before: tuple, slots: list[int], positions: list[int],
+              budgets: list[int], after: tuple, tokens: torch.Tensor) -> list[list[int]]:
+        """fn(*before, slots, positions, budgets, *after, tokens, threads) -> each request's
+        budgets[b] drafts, from tokens [B, max budget]."""
+        if max(p + n - 1 for p, n in zip(positions, budgets)) > self.max_positions:
+            raise ValueError(f"{type(self).__name__}: draft positions past the "
                              f"{self.max_positions} of the rotary table or KV cache")
-        slot = torch.tensor(slots, dtype=torch.long)
-        pos = torch.tensor(positions, dtype=torch.long)
-        rc = fn(*before, slot.data_ptr(), pos.data_ptr(), *after, tokens.data_ptr(),
+        ints = torch.tensor([slots, positions, budgets], dtype=torch.long)     # [3, B]
+        rc = fn(*before, *(row.data_ptr() for row in ints), *after, tokens.data_ptr(),
                 torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"{type(self).__name__}: could not allocate scratch memory")
-        return tokens.tolist()
+        return [t[:n] for t, n in zip(tokens.tolist(), budgets)]
 
 
 class Eagle3Chain(_Chain):
@@ -255,15 +255,17 @@ class Eagle3Chain(_Chain):
         self.lm_bf16 = lm_head.dtype == torch.bfloat16
 
     def __call__(self, state: torch.Tensor, positions: list[int], slots: list[int],
-                 n: int) -> list[list[int]]:
-        """n greedy drafts for each row of state [B, H] (the head output at each request's
-        last verified position), the first fed at positions[b] of KV slot slots[b]."""
+                 budgets: list[int]) -> list[list[int]]:
+        """budgets[b] greedy drafts for each row of state [B, H] (the head output at each
+        request's last verified position), the first fed at positions[b] of KV slot slots[b]."""
         state = state.contiguous().clone()                       # the C call overwrites it
+        n = max(budgets)
         cos_sin, emb, in_n, hid_n, fin_n, lm, d2t, k, v = self.ptrs
         return self._call(self.lib.specserve_eagle3_chain,
                           (ctypes.byref(self.shape), len(slots), n, state.data_ptr()),
-                          slots, positions, (emb, in_n, hid_n, fin_n, lm, self.lm_bf16,
-                                             self.vocab, d2t, cos_sin, self.layer.weights, k, v),
+                          slots, positions, budgets,
+                          (emb, in_n, hid_n, fin_n, lm, self.lm_bf16, self.vocab, d2t, cos_sin,
+                           self.layer.weights, k, v),
                           torch.empty(len(slots), n, dtype=torch.long))
 
 
@@ -285,16 +287,17 @@ class LlamaChain(_Chain):
         self.lm_bf16 = lm_head.dtype == torch.bfloat16
 
     def __call__(self, first: list[int], positions: list[int], slots: list[int],
-                 n: int) -> list[list[int]]:
-        """n greedy drafts per request, the first given (`first[b]`, picked from the catch-up
-        pass) and fed at positions[b] of KV slot slots[b]."""
+                 budgets: list[int]) -> list[list[int]]:
+        """budgets[b] greedy drafts per request, the first given (`first[b]`, picked from the
+        catch-up pass) and fed at positions[b] of KV slot slots[b]."""
+        n = max(budgets)
         tokens = torch.zeros(len(slots), n, dtype=torch.long)
         tokens[:, 0] = torch.tensor(first)
         cos_sin, emb, fin_n, lm = self.ptrs[:4]
         return self._call(self.lib.specserve_llama_chain,
                           (self.shapes, len(self.layers), len(slots), n), slots, positions,
-                          (emb, fin_n, lm, self.lm_bf16, self.vocab, cos_sin, self.weights,
-                           self.k, self.v), tokens)
+                          budgets, (emb, fin_n, lm, self.lm_bf16, self.vocab, cos_sin,
+                                    self.weights, self.k, self.v), tokens)
 
 
 def kernel_step(md, x: torch.Tensor) -> bool:

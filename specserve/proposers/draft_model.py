@@ -101,11 +101,8 @@ class DraftModelProposer:
         for r in reqs:
             self.state[r.request_id].num_computed = r.num_tokens
         if self.chain is not None and len(reqs) <= MAX_ROWS:
-            # every row drafts the largest budget and keeps its own: the surplus positions'
-            # KV is overwritten like a rejected draft's
-            toks = self.chain(logits.argmax(dim=-1).tolist(), [r.num_tokens for r in reqs],
-                              [r.slot for r in reqs], max(budgets))
-            drafts = [t[:n] for t, n in zip(toks, budgets)]
+            drafts = self.chain(logits.argmax(dim=-1).tolist(), [r.num_tokens for r in reqs],
+                                [r.slot for r in reqs], budgets)
             active = []
         while active:
             toks, ps = self._pick(logits, [reqs[i] for i in active])

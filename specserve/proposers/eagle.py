@@ -98,11 +98,9 @@ class HeadProposer:
         if self.tree is not None:
             return self._draft_trees(drafting, batch.max_num_tokens, state)
         if self.chain is not None and len(drafting) <= MAX_ROWS:
-            # every row drafts the largest budget and keeps its own: the surplus positions'
-            # KV is overwritten like a rejected draft's
-            toks = self.chain(state, [r.num_tokens - 1 for r in drafting],
-                              [r.slot for r in drafting], max(batch.max_num_tokens))
-            return [Proposal(t[:n]) for t, n in zip(toks, batch.max_num_tokens)]
+            return [Proposal(t) for t in self.chain(state, [r.num_tokens - 1 for r in drafting],
+                                                    [r.slot for r in drafting],
+                                                    batch.max_num_tokens)]
         drafts: list[list[int]] = [[] for _ in drafting]
         active = list(range(len(drafting)))
         while True:
