@@ -78,3 +78,31 @@ def test_weight_bytes_as_stored_and_as_the_cpu_kernel_streams_them(llama_dir):
     linear = sum(m.weight.numel() * 4 for m in model.modules() if hasattr(m, "kernel_weight"))
     expected = weight_bytes(model) - (linear // 2 if load_library() is not None else 0)
     assert weight_bytes(model, streamed=True) == expected
+
+
+def test_each_round_starts_without_the_previous_rounds_answers():
+    """The rounds repeat the same prompts: a runner forgets what it learned from them (suffix's
+    past responses) before each round, so that the rounds measure the same thing."""
+    from specserve.bench.offline import run_suite
+
+    class Runner:
+        def __init__(self, name):
+            self.name, self.rounds, self.seen = name, 0, set()
+
+        def new_round(self):
+            self.rounds += 1
+            self.seen.clear()
+
+        def run(self, prompts, max_tokens, temperature=0.0):
+            assert not self.seen & set(prompts), "a round saw an earlier round's answers"
+            self.seen |= set(prompts)
+            return [[1] * max_tokens for _ in prompts]
+
+        def acceptance(self):
+            return None
+
+        def mean_k(self):
+            return None
+    runners = [Runner("a"), Runner("b")]
+    run_suite(runners, ["p", "q", "r"], batch=2, max_tokens=3, rounds=3)
+    assert [r.rounds for r in runners] == [3, 3]

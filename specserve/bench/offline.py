@@ -112,6 +112,13 @@ class SpecserveRunner:
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
 
+    def new_round(self) -> None:
+        """Forget what earlier rounds taught the drafter (suffix's past responses: the same
+        prompts come again)."""
+        forget = getattr(self.llm.engine.proposer, "forget_responses", None)
+        if forget is not None:
+            forget()
+
     def acceptance(self) -> tuple[float, float, list[float]] | None:
         if self.spec is None:
             return None
@@ -157,6 +164,9 @@ class TransformersRunner:
             outs.append(out[0, ids.shape[1]:].tolist())
         return outs
 
+    def new_round(self) -> None:
+        pass
+
     def acceptance(self):
         return None
 
@@ -178,6 +188,7 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
         for r in order:
             if isinstance(r, TransformersRunner) and batch > 1:
                 continue
+            r.new_round()
             t = time.perf_counter()
             outputs[r.name] = [ids for g in groups for ids in r.run(g, max_tokens, temperature)]
             n = sum(len(ids) for ids in outputs[r.name])

@@ -206,6 +206,12 @@ class SuffixProposer:
             out.append(Proposal(draft))
         return out
 
+    def forget_responses(self) -> None:
+        """Empty the global tree (a benchmark that repeats its prompts calls this per round, so
+        that no round drafts from the previous round's answers to the same prompts)."""
+        self.global_tree = SuffixTree(self.depth)
+        self.cached.clear()
+
     def finish(self, request) -> None:
         """Keep the finished response in the global tree; evict the oldest past the limit."""
         if request.request_id not in self.state:

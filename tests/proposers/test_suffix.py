@@ -71,6 +71,21 @@ def test_global_tree_drafts_from_past_responses_and_evicts_fifo():
     assert p.propose(_batch([_req("d", [60, 10, 11])]))[0].token_ids == []
 
 
+def test_forget_responses_empties_the_global_tree():
+    p = SuffixProposer(SpeculativeConfig(method="suffix", num_speculative_tokens=4,
+                                         suffix_decoding_max_spec_factor=2.0))
+    first = _req("a", [50, 51], [10, 11, 12, 13, 14])
+    p.propose(_batch([first]))
+    p.finish(first)
+    assert p.propose(_batch([_req("b", [60, 10, 11])]))[0].token_ids == [12, 13, 14]
+    p.forget_responses()
+    assert p.propose(_batch([_req("c", [60, 10, 11])]))[0].token_ids == []
+    again = _req("d", [50, 51], [10, 11, 12, 13, 14])     # and it learns afresh
+    p.propose(_batch([again]))
+    p.finish(again)
+    assert p.propose(_batch([_req("e", [60, 10, 11])]))[0].token_ids == [12, 13, 14]
+
+
 def test_local_tree_uses_the_prompt():
     cfg = SpeculativeConfig(method="suffix", num_speculative_tokens=3,
                             suffix_decoding_max_cached_requests=0)
