@@ -128,20 +128,16 @@ def test_chain_drafting_in_one_call_drafts_what_the_loop_drafts(method, tmp_path
     compiled call per step; the drafts must be the PyTorch loop's over the same kernel, at
     batch 1 and in batches whose budgets differ (requests near max_tokens), and the output
     stays the target's."""
-    from specserve import LLM, SamplingParams
+    from specserve import LLM
     from tests.conftest import make_hf_model
-    from tests.proposers.test_heads import _prompts, eagle3_ckpt, record_drafts
+    from tests.proposers.test_heads import eagle3_ckpt, greedy_of_several_lengths, record_drafts
     if method == "eagle3":
         spec = {"model": str(eagle3_ckpt(tmp_path / "e3", seed=6))}
     else:       # two layers, so that the chain runs a stack
         make_hf_model("llama", tmp_path / "draft", seed=3, hidden_size=32,
                       num_hidden_layers=2, intermediate_size=64)
         spec = {"method": "draft_model", "model": str(tmp_path / "draft")}
-    ps = _prompts(6, seed=21)
-    params = [SamplingParams(temperature=0, max_tokens=5 + 4 * i, ignore_eos=True)
-              for i in range(6)]
-    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device="cpu").generate(
-        ps, params, use_tqdm=False)]
+    ps, params, ref = greedy_of_several_lengths(llama_dir, seed=21, first=5, step=4)
     drafts = {}
     for chain in (True, False):
         llm = LLM(str(llama_dir), device="cpu",

@@ -160,16 +160,35 @@ def test_head_methods_are_lossless(name, heads, llama_dir):
     assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
 
 
+def greedy_of_several_lengths(llama_dir, seed: int, first: int, step: int):
+    """Six prompts, greedy params of max_tokens first, first + step, ..., and the target's
+    output for them without speculation."""
+    ps = _prompts(6, seed=seed)
+    params = [SamplingParams(temperature=0, max_tokens=first + step * i, ignore_eos=True)
+              for i in range(6)]
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device="cpu").generate(
+        ps, params, use_tqdm=False)]
+    return ps, params, ref
+
+
+def record_drafts(llm) -> list[list[int]]:
+    """The drafts the engine's proposer returns from now on, appended as they come."""
+    proposer, record = llm.engine.proposer, []
+
+    def recording(batch, propose=proposer.propose):
+        out = propose(batch)
+        record.extend(p.token_ids for p in out)
+        return out
+    proposer.propose = recording
+    return record
+
+
 def test_heads_catch_up_after_speculation_was_off(heads, llama_dir, monkeypatch):
     """While too many requests run, K = 0 and the head holds back the target features; when
     speculation resumes it ingests them in one pass (or every MAX_PENDING positions). The
     head's cache must end up as if it had ingested every step: same drafts, same acceptance."""
     from specserve.proposers.eagle import HeadProposer
-    ps = _prompts(6, seed=12)
-    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True)
-              for i in range(6)]
-    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device="cpu").generate(
-        ps, params, use_tqdm=False)]
+    ps, params, ref = greedy_of_several_lengths(llama_dir, seed=12, first=8, step=6)
     drafts = {}
     for max_pending in (1, 4, 256):         # 1: ingest every step, as without deferral
         monkeypatch.setattr(HeadProposer, "MAX_PENDING", max_pending)
@@ -184,18 +203,6 @@ def test_heads_catch_up_after_speculation_was_off(heads, llama_dir, monkeypatch)
         drafts[max_pending] = record
     assert len(drafts[1]) > 10
     assert drafts[4] == drafts[1] and drafts[256] == drafts[1]
-
-
-def record_drafts(llm) -> list[list[int]]:
-    """The drafts the engine's proposer returns from now on, appended as they come."""
-    proposer, record = llm.engine.proposer, []
-
-    def recording(batch, propose=proposer.propose):
-        out = propose(batch)
-        record.extend(p.token_ids for p in out)
-        return out
-    proposer.propose = recording
-    return record
 
 
 def test_mtp_is_lossless_and_loads_from_the_target(tmp_path, llama_dir):
