@@ -415,16 +415,13 @@ static int64_t argmax(const float *x, int64_t n) {
 }
 
 /* The greedy next token of each of B rows x [B, H]: the first largest logit of
- * lm_head(final_norm(x)) (no norm when final_norm is NULL) over `vocab` ids, plus d2t[id] when
- * d2t is given, into out[B]. Scratch: normed [B, H], logits [B, vocab]. */
+ * lm_head(final_norm(x)) over `vocab` ids, plus d2t[id] when d2t is given, into out[B].
+ * Scratch: normed [B, H], logits [B, vocab]. */
 static void greedy_rows(const float *x, int64_t B, int64_t H, const float *final_norm, float eps,
                         const void *lm_head, int lm_bf16, int64_t vocab, const int64_t *d2t,
                         float *normed, float *logits, int64_t *out, int nthreads) {
-    if (final_norm) {
-        rms_norm(x, final_norm, eps, B, H, H, H, normed);
-        x = normed;
-    }
-    specserve_linear(x, B, lm_head, lm_bf16, NULL, vocab, H, logits, vocab, 0, nthreads);
+    rms_norm(x, final_norm, eps, B, H, H, H, normed);
+    specserve_linear(normed, B, lm_head, lm_bf16, NULL, vocab, H, logits, vocab, 0, nthreads);
     for (int64_t b = 0; b < B; b++) {
         const int64_t id = argmax(logits + b * vocab, vocab);
         out[b] = id + (d2t ? d2t[id] : 0);
