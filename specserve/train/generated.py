@@ -14,7 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from specserve.train.bpe import EOS
-from specserve.train.corpus import Corpus
+from specserve.train.corpus import Corpus, read_text
+
+OPENING_STRIDE = 2000          # characters between the openings taken from one file
+MAX_OPENINGS_PER_FILE = 16
 
 
 @dataclass
@@ -45,24 +48,34 @@ def fit_prompts(llm, prompts: list[str], max_tokens: int) -> list:
     return [TokensPrompt(prompt_token_ids=llm.get_tokenizer().encode(p)[-room:]) for p in prompts]
 
 
+def corpus_openings(corpus: Corpus, num: int, seed: int) -> list[str]:
+    """`num` distinct openings (400 characters) of training files, in a seeded file order: each
+    file's beginning first; past the number of files, pass p starts at the first line after
+    character p * OPENING_STRIDE of each file long enough."""
+    order = np.random.default_rng(seed).permutation(len(corpus.train_files))
+    openings: list[str] = []
+    for p in range(MAX_OPENINGS_PER_FILE):
+        for i in order:
+            text = read_text(corpus.train_files[i])
+            start = 0 if p == 0 else text.find("\n", p * OPENING_STRIDE) + 1
+            if p == 0 or start > 0:
+                text = text[start:start + 400]
+                if text.strip():            # empty files (bare __init__.py) skipped
+                    openings.append(text)
+                    if len(openings) == num:
+                        return openings
+    return openings
+
+
 def generated_tokens(target_dir: Path, corpus: Corpus, num: int, length: int, seed: int,
                      temperature: float = 0.7) -> np.ndarray:
     """Continuations the target writes from held-in corpus openings, prompt included."""
     if num <= 0:
         return np.zeros(0, dtype=np.int64)
     from specserve import LLM, SamplingParams
-    from specserve.train.corpus import read_text
     llm = LLM(str(target_dir), device="cpu", seed=seed)
     tok = llm.get_tokenizer()
-    rng = np.random.default_rng(seed)
-    openings = []
-    for i in rng.permutation(len(corpus.train_files)):    # empty files (bare __init__.py) skipped
-        text = read_text(corpus.train_files[i])[:400]
-        if text.strip():
-            openings.append(text)
-        if len(openings) == num:
-            break
-    prompts = fit_prompts(llm, openings, length)
+    prompts = fit_prompts(llm, corpus_openings(corpus, num, seed), length)
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=length,
                             ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=True)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.train.bpe import train_bpe
 from specserve.train.corpus import Corpus, read_text
-from specserve.train.generated import GeneratedData, mix_generated
+from specserve.train.generated import GeneratedData, corpus_openings, mix_generated
 from specserve.train.lm import ModelShape, train_draft, train_lm
 from specserve.train.trainer import TrainConfig
 
@@ -161,6 +161,19 @@ def test_generated_share_of_the_training_text():
     assert 0.25 <= share < 0.26 and (mixed[:900] == corpus).all()
     with pytest.raises(ValueError, match=r"generated_share must be in \[0, 1\)"):
         GeneratedData(generated_share=1.0)
+
+
+def test_more_openings_than_files_start_at_later_lines(small_corpus):
+    """Past one opening per file, later ones start at line starts further into the files; the
+    first pass is each non-empty file's beginning (as the zoo recipe had)."""
+    files = [f for f in small_corpus.train_files if read_text(f).strip()]
+    ops = corpus_openings(small_corpus, 3 * len(files), seed=0)
+    assert len(ops) == 3 * len(files)
+    assert sorted(ops[:len(files)]) == sorted(read_text(f)[:400] for f in files)
+    later = ops[len(files):]
+    assert not set(later) & set(ops[:len(files)])
+    assert all(any(("\n" + o) in read_text(f) for f in files) for o in later)
+    assert corpus_openings(small_corpus, 5, seed=0) == ops[:5]
 
 
 @pytest.mark.parametrize("name", ["code-target", "code-draft"])
