@@ -3,12 +3,16 @@
 - bits per byte on the held-out corpus files;
 - the share of distinct 4-grams in the target's greedy 128-token completions of code prompts
   (a degenerate model loops and scores low);
+- how sure the target is of its own greedy tokens there (the probability of each, its top-1):
+  a drafter's greedy token must match the target's top-1, which is hard where that probability
+  is low and the runner-up is close, so this bounds the acceptance any drafter reaches;
 - batch-1 decode step cost of target and draft in specserve, measured side by side.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -25,7 +29,14 @@ def greedy_completions(model_dir: str, prompts: list[str], max_tokens: int = 128
     from specserve import LLM, SamplingParams
     llm = LLM(model_dir, device="cpu")
     return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                ignore_eos=True), use_tqdm=False)
+                                                ignore_eos=True, logprobs=0), use_tqdm=False)
+
+
+def greedy_top1_probs(outs) -> list[float]:
+    """The probability the model gave each token of its greedy completions `outs` (from
+    `greedy_completions`): its top-1 probability there."""
+    return [math.exp(lp[t]) for o in outs
+            for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
 
 
 def step_ms(model_dir: str, tokens: int = 128, repeats: int = 3) -> float:
@@ -42,11 +53,14 @@ def zoo_report(models: str = "models", results: str | None = None) -> dict:
     target, draft = f"{models}/code-target", f"{models}/code-draft"
     outs = greedy_completions(target, completion_prompts(8))
     shares = [distinct_4gram_share(o.outputs[0].token_ids) for o in outs]
+    top1 = greedy_top1_probs(outs)
     report = {
         "target_val_bits_per_byte": round(measure_bpb(Path(target)), 4),
         "draft_val_bits_per_byte": round(measure_bpb(Path(draft)), 4),
         "target_distinct_4gram_share_min": round(min(shares), 3),
         "target_distinct_4gram_share_mean": round(sum(shares) / len(shares), 3),
+        "target_greedy_top1_prob_median": round(statistics.median(top1), 3),
+        "target_greedy_top1_prob_below_half": round(sum(p < 0.5 for p in top1) / len(top1), 3),
     }
     t_ms, d_ms = step_ms(target), step_ms(draft)
     report |= {"target_ms_per_token": round(t_ms, 2), "draft_ms_per_token": round(d_ms, 2),
@@ -63,6 +77,7 @@ def zoo_report(models: str = "models", results: str | None = None) -> dict:
                     f"machine: {platform.machine()} CPU; command: `specserve zoo eval "
                     f"--results {results}`\n- bits/byte on the held-out stdlib files; distinct "
                     "4-gram share of greedy 128-token completions of 8 held-out code prompts; "
+                    "the target's probability of its own greedy tokens there (top-1); "
                     "batch-1 greedy decode ms/token in specserve (float32)\n\n"
                     f"| measure | value |\n|---|---|\n{rows}\n\nFirst greedy completion:\n\n"
                     f"    {sample}\n")
