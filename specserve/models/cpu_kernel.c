@@ -415,17 +415,36 @@ static int64_t argmax(const float *x, int64_t n) {
 }
 
 /* The greedy next token of each of B rows x [B, H]: the first largest logit of
- * lm_head(final_norm(x)) over `vocab` ids, plus d2t[id] when d2t is given, into out[B].
+ * lm_head(final_norm(x)) over `vocab` ids, plus d2t[id] when d2t is given, into out[B]; with
+ * prob, also its probability under the softmax of those logits into prob[B].
  * Scratch: normed [B, H], logits [B, vocab]. */
 static void greedy_rows(const float *x, int64_t B, int64_t H, const float *final_norm, float eps,
                         const void *lm_head, int lm_bf16, int64_t vocab, const int64_t *d2t,
-                        float *normed, float *logits, int64_t *out, int nthreads) {
+                        float *normed, float *logits, int64_t *out, float *prob, int nthreads) {
     rms_norm(x, final_norm, eps, B, H, H, H, normed);
     specserve_linear(normed, B, lm_head, lm_bf16, NULL, vocab, H, logits, vocab, 0, nthreads);
     for (int64_t b = 0; b < B; b++) {
-        const int64_t id = argmax(logits + b * vocab, vocab);
+        float *row = logits + b * vocab;
+        const int64_t id = argmax(row, vocab);
         out[b] = id + (d2t ? d2t[id] : 0);
+        if (prob) {             /* 1 / sum_i exp(l_i - l_max) */
+            const float top = row[id];
+            for (int64_t i = 0; i < vocab; i++) row[i] -= top;
+            exp_array(row, row, vocab);
+            double sum = 0;
+            for (int64_t i = 0; i < vocab; i++) sum += row[i];
+            prob[b] = (float)(1.0 / sum);
+        }
     }
+}
+
+/* Greedy chains with a confidence threshold: a request whose drafter gave its j-th draft
+ * (0-based) a probability below `threshold` stops there (budget[b] = j + 1; the draft is kept). */
+static void stop_unsure(const int64_t *rows, int64_t m, const float *prob, float threshold,
+                        int64_t j, int64_t *budget) {
+    if (prob)
+        for (int64_t k = 0; k < m; k++)
+            if (prob[k] < threshold && budget[rows[k]] > j + 1) budget[rows[k]] = j + 1;
 }
 
 /* Keeps the rows rows[0..m-1] (request indices) whose budget exceeds `drafted`, in order,
@@ -457,7 +476,8 @@ static void row_inputs(const int64_t *rows, int64_t m, const int64_t *slots, con
 /* Chain drafting in one call, instead of a dozen operator launches from Python per pass (more
  * than a small drafter's weights cost at batch 1). Request b drafts budget[b] <= n greedy
  * tokens into tokens[b * n ...]; pass j runs the requests that still draft, so none writes KV
- * past its budget. Each computes op for op what the PyTorch loop does through this kernel
+ * past its budget. With threshold > 0 a request stops after its first draft of lower
+ * probability (stop_unsure), and budget[b] is left at the number it drafted. Each computes op for op what the PyTorch loop does through this kernel
  * (Eagle3Head.greedy_tokens and forward; the model's forward and compute_logits), so the drafts
  * equal that loop's. cos_sin: the rotary table [positions, 2, head_dim]. Return 0, or -1 when
  * out of memory. */
@@ -468,7 +488,8 @@ static void row_inputs(const int64_t *rows, int64_t m, const int64_t *slots, con
  * as residual, at position pos0[b] + j of KV slot slots[b], and its output is the next state.
  * state [B, H] is overwritten. */
 int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
-                           const int64_t *slots, const int64_t *pos0, const int64_t *budget,
+                           const int64_t *slots, const int64_t *pos0, int64_t *budget,
+                           float threshold,
                            const float *embed, const float *in_norm, const float *hidden_norm,
                            const float *final_norm, const void *lm_head, int lm_bf16,
                            int64_t vocab, const int64_t *d2t, const float *cos_sin,
@@ -479,15 +500,17 @@ int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
     ls.rot_stride = 2 * D;
     float *normed = malloc(sizeof(float) * B * H), *logits = malloc(sizeof(float) * B * vocab);
     float *attn_in = malloc(sizeof(float) * B * 2 * H), *rot = malloc(sizeof(float) * B * 2 * D);
+    float *prob = threshold > 0 ? malloc(sizeof(float) * B) : NULL;
     int64_t *ints = malloc(sizeof(int64_t) * B * 4);
-    int rc = normed && logits && attn_in && rot && ints ? 0 : -1;
+    int rc = normed && logits && attn_in && rot && ints && (prob || threshold <= 0) ? 0 : -1;
     int64_t *rows = ints, *slot = ints + B, *pos = ints + 2 * B, *tok = ints + 3 * B, m = B;
     for (int64_t b = 0; b < B; b++) rows[b] = b;
     m = keep_rows(rows, m, budget, 0, state, H, NULL);
     for (int64_t j = 0; rc == 0 && m > 0; j++) {
         greedy_rows(state, m, H, final_norm, s->eps, lm_head, lm_bf16, vocab, d2t, normed,
-                    logits, tok, nthreads);
+                    logits, tok, prob, nthreads);
         for (int64_t k = 0; k < m; k++) tokens[rows[k] * n + j] = tok[k];
+        stop_unsure(rows, m, prob, threshold, j, budget);
         if ((m = keep_rows(rows, m, budget, j + 1, state, H, tok)) == 0) break;
         row_inputs(rows, m, slots, pos0, j, cos_sin, D, slot, pos, rot);
         for (int64_t k = 0; k < m; k++) {
@@ -497,7 +520,7 @@ int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
         rc = specserve_layer(&ls, m, state, attn_in, slot, pos, w, k_cache, v_cache, rot,
                              rot + D, NULL, 0, nthreads);
     }
-    free(normed); free(logits); free(attn_in); free(rot); free(ints);
+    free(normed); free(logits); free(attn_in); free(rot); free(prob); free(ints);
     return rc;
 }
 
@@ -506,7 +529,8 @@ int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
  * slot slots[b] through embed and the L layers (shapes s[l], weights w[l], caches k[l], v[l])
  * and drafts token j by greedy_rows with final_norm and lm_head. */
 int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const int64_t *slots,
-                          const int64_t *pos0, const int64_t *budget, const float *embed,
+                          const int64_t *pos0, int64_t *budget, float threshold,
+                          const float *embed,
                           const float *final_norm, const void *lm_head, int lm_bf16,
                           int64_t vocab, const float *cos_sin, const void *const *const *w,
                           float *const *k_cache, float *const *v_cache, int64_t *tokens,
@@ -515,8 +539,9 @@ int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const
     Shape *ls = malloc(sizeof(Shape) * L);
     float *x = malloc(sizeof(float) * B * H), *normed = malloc(sizeof(float) * B * H);
     float *logits = malloc(sizeof(float) * B * vocab), *rot = malloc(sizeof(float) * B * 2 * D);
+    float *prob = threshold > 0 ? malloc(sizeof(float) * B) : NULL;
     int64_t *ints = malloc(sizeof(int64_t) * B * 4);
-    int rc = ls && x && normed && logits && rot && ints ? 0 : -1;
+    int rc = ls && x && normed && logits && rot && ints && (prob || threshold <= 0) ? 0 : -1;
     int64_t *rows = ints, *slot = ints + B, *pos = ints + 2 * B, *tok = ints + 3 * B, m = B;
     for (int64_t l = 0; rc == 0 && l < L; l++) {
         ls[l] = s[l];
@@ -532,10 +557,11 @@ int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const
                                  rot, rot + D, NULL, 0, nthreads);
         if (rc == 0) {
             greedy_rows(x, m, H, final_norm, s[0].eps, lm_head, lm_bf16, vocab, NULL, normed,
-                        logits, tok, nthreads);
+                        logits, tok, prob, nthreads);
             for (int64_t k = 0; k < m; k++) tokens[rows[k] * n + j] = tok[k];
+            stop_unsure(rows, m, prob, threshold, j, budget);
         }
     }
-    free(ls); free(x); free(normed); free(logits); free(rot); free(ints);
+    free(ls); free(x); free(normed); free(logits); free(rot); free(prob); free(ints);
     return rc;
 }

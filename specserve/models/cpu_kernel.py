@@ -92,11 +92,11 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_layer.restype = ctypes.c_int
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
-    lib.specserve_eagle3_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 9 + [
-        ctypes.c_int, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
+    lib.specserve_eagle3_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 4 + [
+        ctypes.c_float] + [_P] * 5 + [ctypes.c_int, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.specserve_eagle3_chain.restype = ctypes.c_int
-    lib.specserve_llama_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64, _I64] + [_P] * 6 + [
-        ctypes.c_int, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
+    lib.specserve_llama_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64, _I64] + [_P] * 3 + [
+        ctypes.c_float] + [_P] * 3 + [ctypes.c_int, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.specserve_llama_chain.restype = ctypes.c_int
     lib.specserve_block.argtypes = []
     lib.specserve_block.restype = ctypes.c_int
@@ -228,18 +228,20 @@ class _Chain:
         self.ptrs = [t.data_ptr() for t in tensors]
 
     def _call(self, fn, before: tuple, slots: list[int], positions: list[int],
-              budgets: list[int], after: tuple, tokens: torch.Tensor) -> list[list[int]]:
-        """fn(*before, slots, positions, budgets, *after, tokens, threads) -> each request's
-        budgets[b] drafts, from tokens [B, max budget]."""
+              budgets: list[int], threshold: float, after: tuple,
+              tokens: torch.Tensor) -> list[list[int]]:
+        """fn(*before, slots, positions, budgets, threshold, *after, tokens, threads) -> each
+        request's drafts (budgets[b], or fewer where one fell below the threshold), from tokens
+        [B, max budget]."""
         if max(p + n - 1 for p, n in zip(positions, budgets)) > self.max_positions:
             raise ValueError(f"{type(self).__name__}: draft positions past the "
                              f"{self.max_positions} of the rotary table or KV cache")
         ints = torch.tensor([slots, positions, budgets], dtype=torch.long)     # [3, B]
-        rc = fn(*before, *(row.data_ptr() for row in ints), *after, tokens.data_ptr(),
-                torch.get_num_threads())
+        rc = fn(*before, *(row.data_ptr() for row in ints), threshold, *after,
+                tokens.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"{type(self).__name__}: could not allocate scratch memory")
-        return [t[:n] for t, n in zip(tokens.tolist(), budgets)]
+        return [t[:n] for t, n in zip(tokens.tolist(), ints[2].tolist())]   # budgets as drafted
 
 
 class Eagle3Chain(_Chain):
@@ -257,15 +259,17 @@ class Eagle3Chain(_Chain):
         self.lm_bf16 = lm_head.dtype == torch.bfloat16
 
     def __call__(self, state: torch.Tensor, positions: list[int], slots: list[int],
-                 budgets: list[int]) -> list[list[int]]:
+                 budgets: list[int], threshold: float = 0.0) -> list[list[int]]:
         """budgets[b] greedy drafts for each row of state [B, H] (the head output at each
-        request's last verified position), the first fed at positions[b] of KV slot slots[b]."""
+        request's last verified position), the first fed at positions[b] of KV slot slots[b];
+        with a threshold a request stops after its first draft the head gives a lower
+        probability."""
         state = state.contiguous().clone()                       # the C call overwrites it
         n = max(budgets)
         cos_sin, emb, in_n, hid_n, fin_n, lm, d2t, k, v = self.ptrs
         return self._call(self.lib.specserve_eagle3_chain,
                           (ctypes.byref(self.shape), len(slots), n, state.data_ptr()),
-                          slots, positions, budgets,
+                          slots, positions, budgets, threshold,
                           (emb, in_n, hid_n, fin_n, lm, self.lm_bf16, self.vocab, d2t, cos_sin,
                            self.layer.weights, k, v),
                           torch.empty(len(slots), n, dtype=torch.long))
@@ -289,16 +293,18 @@ class LlamaChain(_Chain):
         self.lm_bf16 = lm_head.dtype == torch.bfloat16
 
     def __call__(self, first: list[int], positions: list[int], slots: list[int],
-                 budgets: list[int]) -> list[list[int]]:
+                 budgets: list[int], threshold: float = 0.0) -> list[list[int]]:
         """budgets[b] greedy drafts per request, the first given (`first[b]`, picked from the
-        catch-up pass) and fed at positions[b] of KV slot slots[b]."""
+        catch-up pass) and fed at positions[b] of KV slot slots[b]; with a threshold a request
+        stops after its first later draft the model gives a lower probability (the caller
+        checks the first)."""
         n = max(budgets)
         tokens = torch.zeros(len(slots), n, dtype=torch.long)
         tokens[:, 0] = torch.tensor(first)
         cos_sin, emb, fin_n, lm = self.ptrs[:4]
         return self._call(self.lib.specserve_llama_chain,
                           (self.shapes, len(self.layers), len(slots), n), slots, positions,
-                          budgets, (emb, fin_n, lm, self.lm_bf16, self.vocab, cos_sin,
+                          budgets, threshold, (emb, fin_n, lm, self.lm_bf16, self.vocab, cos_sin,
                                     self.weights, self.k, self.v), tokens)
 
 

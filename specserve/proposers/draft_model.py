@@ -50,8 +50,7 @@ class DraftModelProposer:
         self.state: dict[str, _DraftState] = {}
         self.aux_hidden_layers = ()
         # greedy chains in one compiled call where the model has one (on the CPU kernel)
-        self.chain = (self.model.kernel_chain(self.cache.layers)
-                      if not self.sample and not self.threshold else None)
+        self.chain = self.model.kernel_chain(self.cache.layers) if not self.sample else None
 
     def _forward(self, reqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Feed each request its tokens at `starts`; returns logits of each one's last token."""
@@ -75,6 +74,11 @@ class DraftModelProposer:
                 toks.append(sample_from(p, r.generator))
                 probs.append(p)
         return toks, probs
+
+    def _sure(self, logits: torch.Tensor, toks: list[int]) -> list[bool]:
+        """Whether the drafter gave each chosen token (logits [B, V]) at least the threshold."""
+        chosen = logits.gather(-1, torch.tensor(toks, device=self.device)[:, None]).squeeze(-1)
+        return ((chosen - logits.logsumexp(-1)).exp() >= self.threshold).tolist()
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
@@ -101,19 +105,18 @@ class DraftModelProposer:
         for r in reqs:
             self.state[r.request_id].num_computed = r.num_tokens
         if self.chain is not None and len(reqs) <= MAX_ROWS:
-            drafts = self.chain(logits.argmax(dim=-1).tolist(), [r.num_tokens for r in reqs],
-                                [r.slot for r in reqs], budgets)
+            first = logits.argmax(dim=-1).tolist()
+            if self.threshold:          # a first draft below it is the only one
+                budgets = [n if ok else 1 for n, ok in zip(budgets, self._sure(logits, first))]
+            drafts = self.chain(first, [r.num_tokens for r in reqs], [r.slot for r in reqs],
+                                budgets, self.threshold)
             active = []
         while active:
             toks, ps = self._pick(logits, [reqs[i] for i in active])
             for i, t, p in zip(active, toks, ps):
                 drafts[i].append(t)
                 probs[i].append(p)
-            sure = [True] * len(active)
-            if self.threshold:          # the drafter's probability of each token it chose
-                chosen = logits.gather(-1, torch.tensor(toks, device=self.device)[:, None])
-                sure = ((chosen.squeeze(-1) - logits.logsumexp(-1)).exp()
-                        >= self.threshold).tolist()
+            sure = self._sure(logits, toks) if self.threshold else [True] * len(active)
             active = [i for i, ok in zip(active, sure) if ok and len(drafts[i]) < budgets[i]]
             if not active:
                 break

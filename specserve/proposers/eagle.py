@@ -49,8 +49,7 @@ class HeadProposer:
         self.tree = config.token_tree()             # None: draft a chain
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
         # greedy chains in one compiled call where the head has one (EAGLE-3 on the CPU kernel)
-        self.chain = (self.head.kernel_chain(self.cache.layers[0])
-                      if self.tree is None and not self.threshold else None)
+        self.chain = self.head.kernel_chain(self.cache.layers[0]) if self.tree is None else None
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs
         # request id -> target feature rows [n, F] for the positions after num_verified
         self.pending: dict[str, list[torch.Tensor]] = {}
@@ -100,7 +99,7 @@ class HeadProposer:
         if self.chain is not None and len(drafting) <= MAX_ROWS:
             return [Proposal(t) for t in self.chain(state, [r.num_tokens - 1 for r in drafting],
                                                     [r.slot for r in drafting],
-                                                    batch.max_num_tokens)]
+                                                    batch.max_num_tokens, self.threshold)]
         drafts: list[list[int]] = [[] for _ in drafting]
         active = list(range(len(drafting)))
         while True:
