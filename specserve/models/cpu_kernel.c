@@ -415,14 +415,15 @@ static int64_t argmax(const float *x, int64_t n) {
 }
 
 /* The greedy next token of each of B rows x [B, H]: the first largest logit of
- * lm_head(final_norm(x)) over `vocab` ids, plus d2t[id] when d2t is given, into out[B]; with
+ * lm_head(final_norm(x)) (lm_head(x) when final_norm is NULL) over `vocab` ids, plus d2t[id] when d2t is given, into out[B]; with
  * prob, also its probability under the softmax of those logits into prob[B].
  * Scratch: normed [B, H], logits [B, vocab]. */
 static void greedy_rows(const float *x, int64_t B, int64_t H, const float *final_norm, float eps,
                         const void *lm_head, int lm_bf16, int64_t vocab, const int64_t *d2t,
                         float *normed, float *logits, int64_t *out, float *prob, int nthreads) {
-    rms_norm(x, final_norm, eps, B, H, H, H, normed);
-    specserve_linear(normed, B, lm_head, lm_bf16, NULL, vocab, H, logits, vocab, 0, nthreads);
+    if (final_norm) rms_norm(x, final_norm, eps, B, H, H, H, normed);
+    specserve_linear(final_norm ? normed : x, B, lm_head, lm_bf16, NULL, vocab, H, logits, vocab,
+                     0, nthreads);
     for (int64_t b = 0; b < B; b++) {
         float *row = logits + b * vocab;
         const int64_t id = argmax(row, vocab);
@@ -482,27 +483,29 @@ static void row_inputs(const int64_t *rows, int64_t m, const int64_t *slots, con
  * equal that loop's. cos_sin: the rotary table [positions, 2, head_dim]. Return 0, or -1 when
  * out of memory. */
 
-/* EAGLE-3: pass j drafts token j from state[b] (greedy_rows with the final norm, the draft
- * vocabulary's lm_head and d2t); while the request drafts on, the head's layer (weights w,
- * shape s) runs with attention input [in_norm(embed[token]); hidden_norm(state)] and the state
- * as residual, at position pos0[b] + j of KV slot slots[b], and its output is the next state.
- * state [B, H] is overwritten. */
-int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
-                           const int64_t *slots, const int64_t *pos0, int64_t *budget,
-                           float threshold,
-                           const float *embed, const float *in_norm, const float *hidden_norm,
-                           const float *final_norm, const void *lm_head, int lm_bf16,
-                           int64_t vocab, const int64_t *d2t, const float *cos_sin,
-                           const void *const *w, float *k_cache, float *v_cache,
-                           int64_t *tokens, int nthreads) {
+/* A head that drafts from its own state (EAGLE-1, EAGLE-3, MTP): pass j drafts token j from
+ * state[b] by greedy_rows (final_norm NULL for EAGLE-1; d2t for EAGLE-3's draft vocabulary);
+ * while the request drafts on, with cat = [e_norm(embed[token]); h_norm(state)] (a NULL norm
+ * copies its half), the head's layer (weights w, shape s) runs at position pos0[b] + j of KV
+ * slot slots[b], and its output is the next state: over x = fc(cat) + fc_bias (EAGLE-1, MTP;
+ * fc_bias may be NULL), or, with fc NULL, with cat as the attention input and the state as
+ * residual (EAGLE-3). state [B, H] is overwritten. */
+int specserve_head_chain(const Shape *s, int64_t B, int64_t n, float *state, const int64_t *slots,
+                         const int64_t *pos0, int64_t *budget, float threshold,
+                         const float *embed, const float *e_norm, const float *h_norm,
+                         const void *fc, int fc_bf16, const float *fc_bias,
+                         const float *final_norm, const void *lm_head, int lm_bf16,
+                         int64_t vocab, const int64_t *d2t, const float *cos_sin,
+                         const void *const *w, float *k_cache, float *v_cache, int64_t *tokens,
+                         int nthreads) {
     const int64_t H = s->hidden, D = s->head_dim;
     Shape ls = *s;
     ls.rot_stride = 2 * D;
     float *normed = malloc(sizeof(float) * B * H), *logits = malloc(sizeof(float) * B * vocab);
-    float *attn_in = malloc(sizeof(float) * B * 2 * H), *rot = malloc(sizeof(float) * B * 2 * D);
+    float *cat = malloc(sizeof(float) * B * 2 * H), *rot = malloc(sizeof(float) * B * 2 * D);
     float *prob = threshold > 0 ? malloc(sizeof(float) * B) : NULL;
     int64_t *ints = malloc(sizeof(int64_t) * B * 4);
-    int rc = normed && logits && attn_in && rot && ints && (prob || threshold <= 0) ? 0 : -1;
+    int rc = normed && logits && cat && rot && ints && (prob || threshold <= 0) ? 0 : -1;
     int64_t *rows = ints, *slot = ints + B, *pos = ints + 2 * B, *tok = ints + 3 * B, m = B;
     for (int64_t b = 0; b < B; b++) rows[b] = b;
     m = keep_rows(rows, m, budget, 0, state, H, NULL);
@@ -514,13 +517,17 @@ int specserve_eagle3_chain(const Shape *s, int64_t B, int64_t n, float *state,
         if ((m = keep_rows(rows, m, budget, j + 1, state, H, tok)) == 0) break;
         row_inputs(rows, m, slots, pos0, j, cos_sin, D, slot, pos, rot);
         for (int64_t k = 0; k < m; k++) {
-            rms_norm(embed + tok[k] * H, in_norm, s->eps, 1, H, H, H, attn_in + k * 2 * H);
-            rms_norm(state + k * H, hidden_norm, s->eps, 1, H, H, H, attn_in + k * 2 * H + H);
+            float *e = cat + k * 2 * H, *h = e + H;
+            if (e_norm) rms_norm(embed + tok[k] * H, e_norm, s->eps, 1, H, H, H, e);
+            else memcpy(e, embed + tok[k] * H, H * sizeof(float));
+            if (h_norm) rms_norm(state + k * H, h_norm, s->eps, 1, H, H, H, h);
+            else memcpy(h, state + k * H, H * sizeof(float));
         }
-        rc = specserve_layer(&ls, m, state, attn_in, slot, pos, w, k_cache, v_cache, rot,
+        if (fc) specserve_linear(cat, m, fc, fc_bf16, fc_bias, H, 2 * H, state, H, 0, nthreads);
+        rc = specserve_layer(&ls, m, state, fc ? NULL : cat, slot, pos, w, k_cache, v_cache, rot,
                              rot + D, NULL, 0, nthreads);
     }
-    free(normed); free(logits); free(attn_in); free(rot); free(prob); free(ints);
+    free(normed); free(logits); free(cat); free(rot); free(prob); free(ints);
     return rc;
 }
 

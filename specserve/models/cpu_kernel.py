@@ -4,9 +4,9 @@ Eager PyTorch spends a batch-1 decode step of a small model mostly outside the w
 twenty kernel launches per layer, and one-row matrix products that read the weights at well
 under the memory bandwidth (RESULTS runs 17 and 19). `CpuLayer` runs a decoder layer's step of
 up to `MAX_ROWS` rows (causal runs, or draft-tree nodes under the step's mask) in one C call,
-and `linear_rows` does the same for one matrix (lm_head, heads); `Eagle3Chain` and
-`LlamaChain` run all the greedy passes of a drafter's step (an EAGLE-3 head, a draft model) in
-one call. Each output element is computed the same way whatever else is in the step, so a row's
+and `linear_rows` does the same for one matrix (lm_head, heads); `HeadChain` and
+`LlamaChain` run all the greedy passes of a drafter's step (an EAGLE, EAGLE-3 or MTP head, a
+draft model) in one call. Each output element is computed the same way whatever else is in the step, so a row's
 result does not depend on batch composition (a one-token decode and a five-token verify agree
 bit for bit).
 
@@ -92,9 +92,10 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_layer.restype = ctypes.c_int
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
-    lib.specserve_eagle3_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 4 + [
-        ctypes.c_float] + [_P] * 5 + [ctypes.c_int, _I64, _P, _P, _P, _P, _P, _P, ctypes.c_int]
-    lib.specserve_eagle3_chain.restype = ctypes.c_int
+    lib.specserve_head_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 4 + [
+        ctypes.c_float] + [_P] * 4 + [ctypes.c_int] + [_P] * 3 + [ctypes.c_int, _I64] + [
+        _P] * 6 + [ctypes.c_int]
+    lib.specserve_head_chain.restype = ctypes.c_int
     lib.specserve_llama_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64, _I64] + [_P] * 3 + [
         ctypes.c_float] + [_P] * 3 + [ctypes.c_int, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.specserve_llama_chain.restype = ctypes.c_int
@@ -217,15 +218,15 @@ class _Chain:
 
     def __init__(self, lib: ctypes.CDLL, cos_sin: torch.Tensor,
                  caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 tensors: tuple[torch.Tensor, ...]) -> None:
+                 tensors: tuple[torch.Tensor | None, ...]) -> None:
         tensors = (cos_sin, *tensors, *(t for c in caches for t in c))
-        if not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors):
+        if not all(t is None or (t.is_contiguous() and t.device.type == "cpu") for t in tensors):
             raise ValueError(f"{type(self).__name__}: every tensor must be contiguous on the CPU")
         self.lib, self._keep = lib, tensors         # the pointers stay valid while these live
         # rotary rows and KV positions: the C code indexes both unchecked (a chain writes
         # positions[b] .. positions[b] + budgets[b] - 2)
         self.max_positions = min(cos_sin.shape[0], *(k.shape[2] for k, _ in caches))
-        self.ptrs = [t.data_ptr() for t in tensors]
+        self.ptrs = [None if t is None else t.data_ptr() for t in tensors]
 
     def _call(self, fn, before: tuple, slots: list[int], positions: list[int],
               budgets: list[int], threshold: float, after: tuple,
@@ -244,18 +245,23 @@ class _Chain:
         return [t[:n] for t, n in zip(tokens.tolist(), ints[2].tolist())]   # budgets as drafted
 
 
-class Eagle3Chain(_Chain):
-    """An EAGLE-3 head's chain (`specserve_eagle3_chain`); built by `Eagle3Head.kernel_chain`."""
+class HeadChain(_Chain):
+    """The chain of a head that drafts from its own state (`specserve_head_chain`): EAGLE-1
+    (fc with bias, no norms), EAGLE-3 (no fc: the normed halves are its layer's attention
+    input; a draft vocabulary with d2t), MTP (fc with enorm and hnorm, a final norm); built by
+    their `kernel_chain`. Weights `fc` and `lm_head` are packed (`pack_weight`)."""
 
-    def __init__(self, layer: CpuLayer, embed: torch.Tensor, in_norm: torch.Tensor,
-                 hidden_norm: torch.Tensor, final_norm: torch.Tensor, lm_head: torch.Tensor,
-                 vocab: int, d2t: torch.Tensor, cos_sin: torch.Tensor,
-                 cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(self, layer: CpuLayer, embed: torch.Tensor, e_norm: torch.Tensor | None,
+                 h_norm: torch.Tensor | None, fc: torch.Tensor | None,
+                 fc_bias: torch.Tensor | None, final_norm: torch.Tensor | None,
+                 lm_head: torch.Tensor, vocab: int, d2t: torch.Tensor | None,
+                 cos_sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]) -> None:
         super().__init__(layer.lib, cos_sin, [cache],
-                         (embed, in_norm, hidden_norm, final_norm, lm_head, d2t))
+                         (embed, e_norm, h_norm, fc, fc_bias, final_norm, lm_head, d2t))
         self.layer, self.vocab = layer, vocab
         self.shape = _Shape.from_buffer_copy(layer.shape)
         self.shape.max_len = cache[0].shape[2]
+        self.fc_bf16 = fc is not None and fc.dtype == torch.bfloat16
         self.lm_bf16 = lm_head.dtype == torch.bfloat16
 
     def __call__(self, state: torch.Tensor, positions: list[int], slots: list[int],
@@ -266,12 +272,12 @@ class Eagle3Chain(_Chain):
         probability."""
         state = state.contiguous().clone()                       # the C call overwrites it
         n = max(budgets)
-        cos_sin, emb, in_n, hid_n, fin_n, lm, d2t, k, v = self.ptrs
-        return self._call(self.lib.specserve_eagle3_chain,
+        cos_sin, emb, e_n, h_n, fc, fc_b, fin_n, lm, d2t, k, v = self.ptrs
+        return self._call(self.lib.specserve_head_chain,
                           (ctypes.byref(self.shape), len(slots), n, state.data_ptr()),
                           slots, positions, budgets, threshold,
-                          (emb, in_n, hid_n, fin_n, lm, self.lm_bf16, self.vocab, d2t, cos_sin,
-                           self.layer.weights, k, v),
+                          (emb, e_n, h_n, fc, self.fc_bf16, fc_b, fin_n, lm, self.lm_bf16,
+                           self.vocab, d2t, cos_sin, self.layer.weights, k, v),
                           torch.empty(len(slots), n, dtype=torch.long))
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.cpu_kernel import Eagle3Chain, kernel_step
+from specserve.models.cpu_kernel import HeadChain, kernel_step
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 from specserve.models.llama import DecoderLayer, LlamaArgs
 
@@ -153,10 +153,29 @@ class StatefulHead(nn.Module):
         """The k most likely next tokens (target ids, best first) for each row [T, H]: [T, k]."""
         return self.to_target_ids(self.draft_logits(out).topk(k, dim=-1).indices)
 
-    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> Eagle3Chain | None:
+    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
         """Greedy chain drafting in compiled code for this head with KV cache `cache`, or None
         (then the proposer runs the PyTorch loop)."""
         return None
+
+    def _chain(self, layer: nn.Module, e_norm: RMSNorm | None, h_norm: RMSNorm | None,
+               fc: nn.Module | None, final_norm: RMSNorm | None, d2t: torch.Tensor | None,
+               cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
+        """The HeadChain of these parts where all run on the CPU kernel with one eps (the C
+        code norms with the layer's), else None."""
+        norms = [n for n in (e_norm, h_norm, final_norm) if n is not None]
+        packed = [getattr(m, "kernel_weight", None) for m in (self.lm_head, fc) if m is not None]
+        if (layer.cpu_layer is None or any(w is None for w in packed)
+                or any(n.lib is None for n in norms)
+                or len({n.eps for n in norms} | {layer.post_attention_layernorm.eps}) != 1):
+            return None
+        def weight(n: RMSNorm | None) -> torch.Tensor | None:
+            return None if n is None else n.weight
+        return HeadChain(layer.cpu_layer, self.embed_tokens.weight, weight(e_norm),
+                         weight(h_norm), None if fc is None else fc.kernel_weight,
+                         None if fc is None else fc.bias, weight(final_norm),
+                         self.lm_head.kernel_weight, self.lm_head.out_features, d2t,
+                         self.rotary.cos_sin, cache)
 
     def greedy_tokens_with_prob(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """greedy_tokens(out) and the head's probability of each: ([T], [T])."""
@@ -183,6 +202,9 @@ class EagleHead(StatefulHead):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(out)
+
+    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
+        return self._chain(self.layers[0], None, None, self.fc, None, None, cache)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -233,16 +255,10 @@ class Eagle3Head(StatefulHead):
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out))                                  # [T, draft_vocab]
 
-    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> Eagle3Chain | None:
-        layer, norms = self.layers[0], (self.layers[0].input_layernorm,
-                                        self.layers[0].hidden_norm, self.norm)
-        packed = getattr(self.lm_head, "kernel_weight", None)
-        if (layer.cpu_layer is None or packed is None or any(n.lib is None for n in norms)
-                or len({n.eps for n in norms} | {layer.post_attention_layernorm.eps}) != 1):
-            return None
-        return Eagle3Chain(layer.cpu_layer, self.embed_tokens.weight, *(n.weight for n in norms),
-                           packed, self.lm_head.out_features, self.d2t, self.rotary.cos_sin,
-                           cache)
+    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
+        layer = self.layers[0]
+        return self._chain(layer, layer.input_layernorm, layer.hidden_norm, None, self.norm,
+                           self.d2t, cache)
 
     def draft_to_target(self) -> torch.Tensor:
         """The target id of each draft-vocabulary id: [draft_vocab]."""
@@ -278,3 +294,7 @@ class MTPLayer(StatefulHead):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.shared_head_norm(out))
+
+    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
+        return self._chain(self.block, self.enorm, self.hnorm, self.eh_proj,
+                           self.shared_head_norm, None, cache)

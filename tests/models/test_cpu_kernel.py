@@ -123,27 +123,34 @@ def test_without_a_compiler_it_warns_and_the_pytorch_path_runs(monkeypatch, tmp_
 
 
 # thresholds (0: none) that stop many of the tiny test drafters' chains early
-@pytest.mark.parametrize("method, threshold", [("eagle3", 0.0), ("eagle3", 0.15),
-                                               ("draft_model", 0.0), ("draft_model", 0.05)])
+@pytest.mark.parametrize("method, threshold", [
+    ("eagle3", 0.0), ("eagle3", 0.15), ("eagle", 0.0), ("eagle", 0.9), ("mtp", 0.0),
+    ("mtp", 0.1), ("draft_model", 0.0), ("draft_model", 0.05)])
 def test_chain_drafting_in_one_call_drafts_what_the_loop_drafts(method, threshold, tmp_path,
                                                                 llama_dir):
-    """On the CPU kernel an EAGLE-3 head and a draft model draft their greedy chain in one
-    compiled call per step; the drafts must be the PyTorch loop's over the same kernel, at
-    batch 1 and in batches whose budgets differ (requests near max_tokens), with and without
-    a confidence threshold, and the output stays the target's."""
+    """On the CPU kernel EAGLE, EAGLE-3 and MTP heads and a draft model draft their greedy
+    chain in one compiled call per step; the drafts must be the PyTorch loop's over the same
+    kernel, at batch 1 and in batches whose budgets differ (requests near max_tokens), with
+    and without a confidence threshold, and the output stays the target's."""
     from specserve import LLM
     from tests.conftest import make_hf_model
-    from tests.proposers.test_heads import eagle3_ckpt, greedy_of_several_lengths, record_drafts
+    from tests.proposers.test_heads import (eagle3_ckpt, eagle_ckpt, greedy_of_several_lengths,
+                                            mtp_target, record_drafts)
+    target = llama_dir
     if method == "eagle3":
         spec = {"model": str(eagle3_ckpt(tmp_path / "e3", seed=6))}
+    elif method == "eagle":
+        spec = {"method": "eagle", "model": str(eagle_ckpt(tmp_path / "eagle"))}
+    elif method == "mtp":
+        target, spec = mtp_target(tmp_path / "mtp"), {"method": "mtp"}
     else:       # two layers, so that the chain runs a stack
         make_hf_model("llama", tmp_path / "draft", seed=3, hidden_size=32,
                       num_hidden_layers=2, intermediate_size=64)
         spec = {"method": "draft_model", "model": str(tmp_path / "draft")}
-    ps, params, ref = greedy_of_several_lengths(llama_dir, seed=21, first=5, step=4)
+    ps, params, ref = greedy_of_several_lengths(target, seed=21, first=5, step=4)
     drafts = {}
     for chain in (True, False):
-        llm = LLM(str(llama_dir), device="cpu",
+        llm = LLM(str(target), device="cpu",
                   speculative_config=spec | {"num_speculative_tokens": 4,
                                              "draft_confidence_threshold": threshold})
         proposer = llm.engine.proposer
