@@ -55,8 +55,18 @@ def test_method_plus_tree_drafts_the_token_tree():
     assert got["mtp+tree@old/mtp"][0] == "old/mtp"
     with pytest.raises(SystemExit, match="needs --token-tree"):
         configs(_args("--methods", "eagle3+tree"))
-    with pytest.raises(SystemExit, match="only suffix"):
-        configs(_args("--methods", "eagle3+wide", "--token-tree", tree))
+    for bad in ("eagle3+wide", "eagle3+k=x", "eagle3+conf"):
+        with pytest.raises(SystemExit, match="unknown suffix"):
+            configs(_args("--methods", bad, "--token-tree", tree))
+
+
+def test_method_plus_k_and_conf_set_k_and_the_threshold():
+    got = configs(_args("--methods", "eagle3,eagle3+k=8+conf=0.2,draft_model+conf=0.3"))
+    assert got["eagle3+k=8+conf=0.2"][1] == {
+        "method": "eagle3", "model": "models/code-target-eagle3", "num_speculative_tokens": 8,
+        "draft_confidence_threshold": 0.2}
+    assert got["draft_model+conf=0.3"][1]["num_speculative_tokens"] == 4
+    assert got["draft_model+conf=0.3"][1]["draft_confidence_threshold"] == 0.3
 
 
 def test_weight_bytes_as_stored_and_as_the_cpu_kernel_streams_them(llama_dir):

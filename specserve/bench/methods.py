@@ -35,7 +35,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="comma-separated, from " + ", ".join(METHODS) + "; default: every method "
                         "whose draft or head exists (heads at <target>-<method>); METHOD@DIR "
                         "takes the draft or head from DIR (compare two heads side by side); "
-                        "METHOD+tree drafts the --token-tree (eagle, eagle3, medusa, mtp)")
+                        "suffixes, combinable: METHOD+tree drafts the --token-tree (eagle, "
+                        "eagle3, medusa, mtp), METHOD+k=N drafts N tokens, METHOD+conf=P sets "
+                        "draft_confidence_threshold P (draft_model, eagle, eagle3, mtp), e.g. "
+                        "eagle3+k=8+conf=0.2")
     p.add_argument("--token-tree", default=None,
                    help="speculative_token_tree for the METHOD+tree entries of --methods, e.g. "
                         "\"[(0,), (1,), (0, 0), (0, 0, 0)]\"; K is its number of nodes")
@@ -46,6 +49,24 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--results", default="benchmarks/RESULTS.md")
 
 
+def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:
+    """The speculative_config keys of one +suffix of a --methods entry."""
+    key, eq, value = suffix.partition("=")
+    if suffix == "tree":
+        if not token_tree:
+            raise SystemExit(f"{name!r}: '+tree' needs --token-tree")
+        return {"speculative_token_tree": token_tree}
+    try:
+        if key == "k" and eq:
+            return {"num_speculative_tokens": int(value)}
+        if key == "conf" and eq:
+            return {"draft_confidence_threshold": float(value)}
+    except ValueError:
+        pass
+    raise SystemExit(f"{name!r}: unknown suffix {'+' + suffix!r}; use +tree (with --token-tree), "
+                     "+k=N or +conf=P")
+
+
 def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
     """method name -> (model to load, speculative_config), from the common flags."""
     extra = json.loads(a.spec_extra) if a.spec_extra else {}
@@ -53,13 +74,12 @@ def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
     out = {}
     for name in names:
         m, _, path = name.partition("@")
-        m, plus, suffix = m.partition("+")
-        if plus and (suffix != "tree" or not a.token_tree):
-            raise SystemExit(f"{name!r}: the only suffix is '+tree', which needs --token-tree")
+        m, *suffixes = m.split("+")
         model, spec = spec_config(m, a.num_speculative_tokens, a.target, a.draft)
-        if plus:
-            spec = {k: v for k, v in spec.items() if k != "num_speculative_tokens"} | {
-                "speculative_token_tree": a.token_tree}
+        for suffix in suffixes:
+            spec = spec | _suffix_config(name, suffix, a.token_tree)
+        if "speculative_token_tree" in spec:
+            spec.pop("num_speculative_tokens")
         if path and m in ("ngram", "suffix"):
             raise SystemExit(f"{m} drafts without a model; drop '@{path}'")
         if path:

@@ -247,7 +247,10 @@ def _floor_ratios(name: str, ms: float, wb: int, streamed: int, bw: float) -> st
 def _k_label(spec: dict) -> str:
     if spec.get("speculative_token_tree"):
         return f"tree of {len(TokenTree.parse(spec['speculative_token_tree']))}"
-    return f"K={spec['num_speculative_tokens']}"
+    label = f"K={spec['num_speculative_tokens']}"
+    if spec.get("draft_confidence_threshold"):
+        label += f", conf >= {spec['draft_confidence_threshold']:g}"
+    return label
 
 
 def main(argv: list[str]) -> None:
