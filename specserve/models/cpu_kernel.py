@@ -4,9 +4,9 @@ Eager PyTorch spends a batch-1 decode step of a small model mostly outside the w
 twenty kernel launches per layer, and one-row matrix products that read the weights at well
 under the memory bandwidth (RESULTS runs 17 and 19). `CpuLayer` runs a decoder layer's step of
 up to `MAX_ROWS` rows (causal runs, or draft-tree nodes under the step's mask) in one C call,
-and `linear_rows` does the same for one matrix (lm_head, heads); `HeadChain` and
-`LlamaChain` run all the greedy passes of a drafter's step (an EAGLE, EAGLE-3 or MTP head, a
-draft model) in one call. Each output element is computed the same way whatever else is in the step, so a row's
+and `linear_rows` does the same for one matrix (lm_head, heads); `HeadChain` and `LlamaChain`
+run all the greedy passes of a drafter's step (an EAGLE, EAGLE-3 or MTP head, a draft model) in
+one call. Each output element is computed the same way whatever else is in the step, so a row's
 result does not depend on batch composition (a one-token decode and a five-token verify agree
 bit for bit).
 

@@ -169,12 +169,10 @@ class StatefulHead(nn.Module):
                 or any(n.lib is None for n in norms)
                 or len({n.eps for n in norms} | {layer.post_attention_layernorm.eps}) != 1):
             return None
-        def weight(n: RMSNorm | None) -> torch.Tensor | None:
-            return None if n is None else n.weight
-        return HeadChain(layer.cpu_layer, self.embed_tokens.weight, weight(e_norm),
-                         weight(h_norm), None if fc is None else fc.kernel_weight,
-                         None if fc is None else fc.bias, weight(final_norm),
-                         self.lm_head.kernel_weight, self.lm_head.out_features, d2t,
+        e_w, h_w, final_w = (None if n is None else n.weight for n in (e_norm, h_norm, final_norm))
+        return HeadChain(layer.cpu_layer, self.embed_tokens.weight, e_w, h_w,
+                         None if fc is None else fc.kernel_weight, None if fc is None else fc.bias,
+                         final_w, self.lm_head.kernel_weight, self.lm_head.out_features, d2t,
                          self.rotary.cos_sin, cache)
 
     def greedy_tokens_with_prob(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -48,7 +48,7 @@ class HeadProposer:
         self.threshold = config.draft_confidence_threshold
         self.tree = config.token_tree()             # None: draft a chain
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
-        # greedy chains in one compiled call where the head has one (EAGLE-3 on the CPU kernel)
+        # greedy chains in one compiled call where the head has one (on the CPU kernel)
         self.chain = self.head.kernel_chain(self.cache.layers[0]) if self.tree is None else None
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs
         # request id -> target feature rows [n, F] for the positions after num_verified
