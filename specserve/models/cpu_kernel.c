@@ -415,8 +415,9 @@ static int64_t argmax(const float *x, int64_t n) {
 }
 
 /* The greedy next token of each of B rows x [B, H]: the first largest logit of
- * lm_head(final_norm(x)) (lm_head(x) when final_norm is NULL) over `vocab` ids, plus d2t[id] when d2t is given, into out[B]; with
- * prob, also its probability under the softmax of those logits into prob[B].
+ * lm_head(final_norm(x)) (lm_head(x) when final_norm is NULL) over `vocab` ids, plus d2t[id]
+ * when d2t is given, into out[B]; with prob, also its probability under the softmax of those
+ * logits into prob[B].
  * Scratch: normed [B, H], logits [B, vocab]. */
 static void greedy_rows(const float *x, int64_t B, int64_t H, const float *final_norm, float eps,
                         const void *lm_head, int lm_bf16, int64_t vocab, const int64_t *d2t,
@@ -478,10 +479,10 @@ static void row_inputs(const int64_t *rows, int64_t m, const int64_t *slots, con
  * than a small drafter's weights cost at batch 1). Request b drafts budget[b] <= n greedy
  * tokens into tokens[b * n ...]; pass j runs the requests that still draft, so none writes KV
  * past its budget. With threshold > 0 a request stops after its first draft of lower
- * probability (stop_unsure), and budget[b] is left at the number it drafted. Each computes op for op what the PyTorch loop does through this kernel
- * (Eagle3Head.greedy_tokens and forward; the model's forward and compute_logits), so the drafts
- * equal that loop's. cos_sin: the rotary table [positions, 2, head_dim]. Return 0, or -1 when
- * out of memory. */
+ * probability (stop_unsure), and budget[b] is left at the number it drafted. Each computes op
+ * for op what the PyTorch loop does through this kernel (the head's greedy_tokens and forward;
+ * the model's forward and compute_logits), so the drafts equal that loop's. cos_sin: the
+ * rotary table [positions, 2, head_dim]. Return 0, or -1 when out of memory. */
 
 /* A head that drafts from its own state (EAGLE-1, EAGLE-3, MTP): pass j drafts token j from
  * state[b] by greedy_rows (final_norm NULL for EAGLE-1; d2t for EAGLE-3's draft vocabulary);
@@ -490,9 +491,10 @@ static void row_inputs(const int64_t *rows, int64_t m, const int64_t *slots, con
  * slot slots[b], and its output is the next state: over x = fc(cat) + fc_bias (EAGLE-1, MTP;
  * fc_bias may be NULL), or, with fc NULL, with cat as the attention input and the state as
  * residual (EAGLE-3). state [B, H] is overwritten. */
-int specserve_head_chain(const Shape *s, int64_t B, int64_t n, float *state, const int64_t *slots,
-                         const int64_t *pos0, int64_t *budget, float threshold,
-                         const float *embed, const float *e_norm, const float *h_norm,
+int specserve_head_chain(const Shape *s, int64_t B, int64_t n, float *state,
+                         const int64_t *slots, const int64_t *pos0, int64_t *budget,
+                         float threshold, const float *embed, const float *e_norm,
+                         const float *h_norm,
                          const void *fc, int fc_bf16, const float *fc_bias,
                          const float *final_norm, const void *lm_head, int lm_bf16,
                          int64_t vocab, const int64_t *d2t, const float *cos_sin,
@@ -537,8 +539,8 @@ int specserve_head_chain(const Shape *s, int64_t B, int64_t n, float *state, con
  * and drafts token j by greedy_rows with final_norm and lm_head. */
 int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const int64_t *slots,
                           const int64_t *pos0, int64_t *budget, float threshold,
-                          const float *embed,
-                          const float *final_norm, const void *lm_head, int lm_bf16,
+                          const float *embed, const float *final_norm, const void *lm_head,
+                          int lm_bf16,
                           int64_t vocab, const float *cos_sin, const void *const *const *w,
                           float *const *k_cache, float *const *v_cache, int64_t *tokens,
                           int nthreads) {
