@@ -310,8 +310,9 @@ class LlamaChain(_Chain):
         cos_sin, emb, fin_n, lm = self.ptrs[:4]
         return self._call(self.lib.specserve_llama_chain,
                           (self.shapes, len(self.layers), len(slots), n), slots, positions,
-                          budgets, threshold, (emb, fin_n, lm, self.lm_bf16, self.vocab, cos_sin,
-                                    self.weights, self.k, self.v), tokens)
+                          budgets, threshold,
+                          (emb, fin_n, lm, self.lm_bf16, self.vocab, cos_sin, self.weights,
+                           self.k, self.v), tokens)
 
 
 def kernel_step(md, x: torch.Tensor) -> bool:

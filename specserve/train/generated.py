@@ -49,14 +49,17 @@ def fit_prompts(llm, prompts: list[str], max_tokens: int) -> list:
 
 
 def corpus_openings(corpus: Corpus, num: int, seed: int) -> list[str]:
-    """`num` distinct openings (400 characters) of training files, in a seeded file order: each
-    file's beginning first; past the number of files, pass p starts at the first line after
-    character p * OPENING_STRIDE of each file long enough."""
+    """`num` openings (400 characters) of training files, in a seeded file order: each file's
+    beginning first; past the number of files, pass p starts at the first line after character
+    p * OPENING_STRIDE of each file long enough (distinct, unless files copy each other)."""
     order = np.random.default_rng(seed).permutation(len(corpus.train_files))
     openings: list[str] = []
+    texts: dict[int, str] = {}                  # each file read once
     for p in range(MAX_OPENINGS_PER_FILE):
         for i in order:
-            text = read_text(corpus.train_files[i])
+            if i not in texts:
+                texts[i] = read_text(corpus.train_files[i])
+            text = texts[i]
             start = 0 if p == 0 else text.find("\n", p * OPENING_STRIDE) + 1
             if p == 0 or start > 0:
                 text = text[start:start + 400]
