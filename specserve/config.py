@@ -150,6 +150,10 @@ class SpeculativeConfig:
     speculative_token_tree: str | list | None = field(default=None, metadata={
         "help": "eagle, eagle3, medusa, mtp: verify a tree of candidates, a list of paths of child "
                 "ranks such as \"[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]\"; K = the number of nodes"})
+    hybrid_prompt_lookup: int | None = field(default=None, metadata={
+        "help": "draft_model and head methods: N turns on prompt lookup first: a request whose "
+                "last N tokens occurred earlier in its prompt or output drafts the tokens that "
+                "followed them, with no drafter pass; the drafter drafts the others (None = off)"})
     adaptive_k: bool = field(default=False, metadata={
         "help": "choose K per step (0..num_speculative_tokens) for the most tokens/s, from "
                 "measured acceptance and step times at the current batch size"})
@@ -252,6 +256,15 @@ class SpeculativeConfig:
         if t and self.method not in ("draft_model", "eagle", "eagle3", "mtp"):
             raise ValueError("draft_confidence_threshold applies to draft_model, eagle, eagle3 "
                              f"and mtp (drafters that run step by step), not {self.method!r}")
+        n = self.hybrid_prompt_lookup
+        if n is not None:
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"hybrid_prompt_lookup must be an int >= 1 (the tokens to "
+                                 f"match) or null, got {n!r}")
+            if self.method not in ("draft_model", *HEAD_METHODS):
+                raise ValueError(f"hybrid_prompt_lookup adds prompt lookup to a model-based "
+                                 f"drafter, not to {self.method!r}; for prompt lookup alone use "
+                                 "method 'ngram'")
         if not isinstance(self.adaptive_k, bool):
             raise ValueError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
 

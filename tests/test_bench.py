@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from specserve import SamplingParams, TokensPrompt
 from specserve.bench.methods import add_common_args, configs
 
 
@@ -55,13 +56,15 @@ def test_method_plus_tree_drafts_the_token_tree():
     assert got["mtp+tree@old/mtp"][0] == "old/mtp"
     with pytest.raises(SystemExit, match="needs --token-tree"):
         configs(_args("--methods", "eagle3+tree"))
-    for bad in ("eagle3+wide", "eagle3+k=x", "eagle3+conf"):
+    for bad in ("eagle3+wide", "eagle3+k=x", "eagle3+conf", "eagle3+lookup=x"):
         with pytest.raises(SystemExit, match="unknown suffix"):
             configs(_args("--methods", bad, "--token-tree", tree))
 
 
-def test_method_plus_k_and_conf_set_k_and_the_threshold():
-    got = configs(_args("--methods", "eagle3,eagle3+k=8+conf=0.2,draft_model+conf=0.3"))
+def test_method_plus_k_conf_and_lookup_set_k_the_threshold_and_lookup():
+    got = configs(_args("--methods", "eagle3,eagle3+k=8+conf=0.2,draft_model+conf=0.3,"
+                        "eagle3+lookup=3"))
+    assert got["eagle3+lookup=3"][1]["hybrid_prompt_lookup"] == 3
     assert got["eagle3+k=8+conf=0.2"][1] == {
         "method": "eagle3", "model": "models/code-target-eagle3", "num_speculative_tokens": 8,
         "draft_confidence_threshold": 0.2}
@@ -111,8 +114,24 @@ def test_each_round_starts_without_the_previous_rounds_answers():
         def acceptance(self):
             return None
 
-        def mean_k(self):
+        def note(self):
             return None
     runners = [Runner("a"), Runner("b")]
     run_suite(runners, ["p", "q", "r"], batch=2, max_tokens=3, rounds=3)
     assert [r.rounds for r in runners] == [3, 3]
+
+
+def test_hybrid_runner_notes_the_share_of_lookup_drafts(llama_dir, draft_dir):
+    from specserve.bench.offline import SpecserveRunner
+    from tests.test_spec_decode import repetitive_prompts
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
+    plain = SpecserveRunner("plain", str(llama_dir), spec, "float32")
+    hybrid = SpecserveRunner("hybrid", str(llama_dir), spec | {"hybrid_prompt_lookup": 2},
+                             "float32")
+    for r in (plain, hybrid):
+        r.llm.generate([TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4)],
+                       SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert plain.note() is None
+    lookups = hybrid.llm.engine.proposer.num_lookup_drafts
+    share = lookups / hybrid.llm.get_metrics()["spec_decode_num_drafts"]
+    assert 0 < share < 1 and hybrid.note() == f"lookup drafted {share:.0%}"

@@ -19,6 +19,8 @@ def spec_configs(draft_dir):
         "suffix": {"method": "suffix", "num_speculative_tokens": K},
         "draft_model": {"method": "draft_model", "model": str(draft_dir),
                         "num_speculative_tokens": K},
+        "hybrid": {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": K,
+                   "hybrid_prompt_lookup": 2},
     }
 
 
@@ -37,7 +39,7 @@ def _greedy(max_tokens=30, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "hybrid"])
 def test_greedy_equality_batch_1(method, llama_dir, draft_dir):
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4, seed=1)]
     base = LLM(str(llama_dir), device="cpu")
@@ -48,7 +50,7 @@ def test_greedy_equality_batch_1(method, llama_dir, draft_dir):
     assert spec.get_metrics()["spec_decode_num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "hybrid"])
 def test_greedy_equality_mixed_batch(method, llama_dir, draft_dir):
     """>= 16 mixed requests: different lengths, early stops (stop token / EOS), long ones near
     max_model_len, and random requests sharing the batch."""
@@ -128,7 +130,7 @@ def _params(i: int, max_tokens: int = 3) -> SamplingParams:
                           ignore_eos=True)
 
 
-def _exact_pair_distribution(target) -> torch.Tensor:
+def _exact_pair_distribution(target, prompt: list[int] = PROMPT8) -> torch.Tensor:
     """P(token 2, token 3) of the target under _params, by enumerating token 1 and 2."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
@@ -140,17 +142,18 @@ def _exact_pair_distribution(target) -> torch.Tensor:
         return logits.masked_fill(logits < kth, float("-inf")).softmax(-1)
 
     exact = torch.zeros(8, 8)
-    p1 = probs(PROMPT8)
+    p1 = probs(prompt)
     for a in torch.nonzero(p1).flatten().tolist():
-        p2 = probs(PROMPT8 + [a])
+        p2 = probs(prompt + [a])
         for b in torch.nonzero(p2).flatten().tolist():
-            exact[b] += p1[a] * p2[b] * probs(PROMPT8 + [a, b])
+            exact[b] += p1[a] * p2[b] * probs(prompt + [a, b])
     return exact
 
 
-def _token_hist(llm, n: int, offset: int, max_tokens: int = 3) -> torch.Tensor:
+def _token_hist(llm, n: int, offset: int, max_tokens: int = 3,
+                prompt: list[int] = PROMPT8) -> torch.Tensor:
     """Empirical joint distribution of generated tokens 2 and 3 (both from verify steps)."""
-    outs = llm.generate([TokensPrompt(prompt_token_ids=PROMPT8)] * n,
+    outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n,
                         [_params(i + offset, max_tokens) for i in range(n)], use_tqdm=False)
     hist = torch.zeros(8, 8)
     for o in outs:
@@ -175,18 +178,25 @@ def test_no_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pai
     assert tv < TV_BOUND, f"total variation {tv:.3f}"
 
 
-@pytest.mark.parametrize("rejection, draft_sample", [("strict", "greedy"),
-                                                     ("strict", "probabilistic"),
-                                                     ("probabilistic", "probabilistic")])
+@pytest.mark.parametrize("rejection, draft_sample, extra", [
+    ("strict", "greedy", {}), ("strict", "probabilistic", {}),
+    ("probabilistic", "probabilistic", {}),
+    # the prompt holds 2 of the 3 first tokens the target can pick: those requests draft by
+    # prompt lookup (one-hot drafts), the others by the draft model (sampled, with their probs)
+    ("probabilistic", "probabilistic", {"hybrid_prompt_lookup": 1})])
 def test_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs, rejection,
-                                                  draft_sample):
+                                                  draft_sample, extra):
     target, draft = small_vocab_pair
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
-            "rejection_sample_method": rejection, "draft_sample_method": draft_sample}
+            "rejection_sample_method": rejection, "draft_sample_method": draft_sample} | extra
     llm = LLM(str(target), speculative_config=spec, device="cpu", max_num_seqs=64,
               max_num_batched_tokens=512)
-    tv = 0.5 * (_token_hist(llm, N_SAMPLES, 100_000) - exact_pairs).abs().sum().item()
+    prompt = [4, 5, 6, 1, 2] if extra else PROMPT8
+    exact = _exact_pair_distribution(target, prompt) if extra else exact_pairs
+    tv = 0.5 * (_token_hist(llm, N_SAMPLES, 100_000, prompt=prompt) - exact).abs().sum().item()
     assert llm.get_metrics()["acceptance_rate"] < 0.95       # rejections were exercised
+    if extra:
+        assert 0.2 < llm.engine.proposer.num_lookup_drafts / N_SAMPLES < 0.8
     assert tv < TV_BOUND, f"total variation {tv:.3f} from the target's exact distribution"
 
 

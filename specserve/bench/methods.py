@@ -37,8 +37,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "takes the draft or head from DIR (compare two heads side by side); "
                         "suffixes, combinable: METHOD+tree drafts the --token-tree (eagle, "
                         "eagle3, medusa, mtp), METHOD+k=N drafts N tokens, METHOD+conf=P sets "
-                        "draft_confidence_threshold P (draft_model, eagle, eagle3, mtp), e.g. "
-                        "eagle3+k=8+conf=0.2")
+                        "draft_confidence_threshold P (draft_model, eagle, eagle3, mtp), "
+                        "METHOD+lookup=N sets hybrid_prompt_lookup N (model-based methods), "
+                        "e.g. eagle3+k=8+conf=0.2, eagle3+lookup=4")
     p.add_argument("--token-tree", default=None,
                    help="speculative_token_tree for the METHOD+tree entries of --methods, e.g. "
                         "\"[(0,), (1,), (0, 0), (0, 0, 0)]\"; K is its number of nodes")
@@ -61,10 +62,12 @@ def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:
             return {"num_speculative_tokens": int(value)}
         if key == "conf" and eq:
             return {"draft_confidence_threshold": float(value)}
+        if key == "lookup" and eq:
+            return {"hybrid_prompt_lookup": int(value)}
     except ValueError:
         pass
     raise SystemExit(f"{name!r}: unknown suffix {'+' + suffix!r}; use +tree (with --token-tree), "
-                     "+k=N or +conf=P")
+                     "+k=N, +conf=P or +lookup=N")
 
 
 def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:

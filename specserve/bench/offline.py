@@ -33,7 +33,7 @@ class Result:
     acceptance_rate: float | None = None
     per_pos: list[float] | None = None
     same_output: str | None = None      # prompts whose greedy tokens equal no-spec's, "7/8"
-    mean_k: float | None = None         # adaptive_k: mean K over decode steps
+    note: str | None = None             # what the runner reports beside its name (`note()`)
 
     @property
     def median(self) -> float:
@@ -127,12 +127,18 @@ class SpecserveRunner:
         return (m["mean_acceptance_length"], m["acceptance_rate"],
                 [a / d for a in m["spec_decode_num_accepted_tokens_per_pos"]])
 
-    def mean_k(self) -> float | None:
-        """adaptive_k: the mean K over the steps it chose; None for a fixed K."""
-        choices = self.llm.get_metrics().get("adaptive_k_choices")
-        if not choices:
-            return None
-        return sum(k * n for k, n in choices.items()) / sum(choices.values())
+    def note(self) -> str | None:
+        """adaptive_k: the mean K over the steps it chose; hybrid_prompt_lookup: the share of
+        drafts that prompt lookup made."""
+        m, notes = self.llm.get_metrics(), []
+        choices = m.get("adaptive_k_choices")
+        if choices:
+            mean = sum(k * n for k, n in choices.items()) / sum(choices.values())
+            notes.append(f"adaptive: mean K {mean:.1f}")
+        lookups = getattr(self.llm.engine.proposer, "num_lookup_drafts", None)
+        if lookups is not None:
+            notes.append(f"lookup drafted {lookups / max(1, m['spec_decode_num_drafts']):.0%}")
+        return ", ".join(notes) or None
 
 
 class TransformersRunner:
@@ -170,7 +176,7 @@ class TransformersRunner:
     def acceptance(self):
         return None
 
-    def mean_k(self):
+    def note(self):
         return None
 
 
@@ -201,7 +207,7 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
         acc = r.acceptance()
         if acc:
             results[r.name].tau, results[r.name].acceptance_rate, results[r.name].per_pos = acc
-        results[r.name].mean_k = r.mean_k()
+        results[r.name].note = r.note()
     return [res for res in results.values() if res.tokens_per_s]
 
 
@@ -212,7 +218,7 @@ def _table(results: list[Result], base: str) -> str:
             "|---|---:|---:|---:|---:|---|---:|"]
     for r in results:
         pp = "" if r.per_pos is None else ", ".join(f"{x:.2f}" for x in r.per_pos)
-        name = r.name if r.mean_k is None else f"{r.name}, adaptive: mean K {r.mean_k:.1f}"
+        name = r.name if r.note is None else f"{r.name}, {r.note}"
         rows.append(f"| {name} | {r.median:.1f} | {r.median / ref:.2f}x | "
                     f"{'' if r.tau is None else f'{r.tau:.2f}'} | "
                     f"{'' if r.acceptance_rate is None else f'{r.acceptance_rate:.1%}'} | {pp} | "

@@ -28,4 +28,8 @@ def build_proposer(config: SpeculativeConfig, engine: LLMEngine) -> Proposer:
     if config.method not in builders:
         raise ValueError(f"speculative method {config.method!r} is not available in this "
                          f"build yet; available: {', '.join(builders)}")
-    return builders[config.method](config, engine)
+    drafter = builders[config.method](config, engine)
+    if config.hybrid_prompt_lookup is None:
+        return drafter
+    from specserve.proposers.hybrid import HybridProposer
+    return HybridProposer(drafter, config.hybrid_prompt_lookup)

@@ -1,0 +1,46 @@
+"""Prompt lookup first, a model-based drafter for the rest (`hybrid_prompt_lookup`).
+
+Text that repeats earlier text (code being edited, quoted input) is drafted best by copying:
+a request whose last N tokens occurred earlier in its prompt or output drafts the tokens that
+followed their first occurrence, as method 'ngram' does, at no model cost. Only the other
+requests run the drafter. The drafter still sees every step, so a head keeps ingesting the
+target's features of the requests it did not draft for, and a draft model catches up on their
+tokens when it drafts for them again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specserve.proposers.base import Proposal, ProposeBatch, Proposer
+from specserve.proposers.ngram import find_ngram_draft
+
+
+class HybridProposer:
+    def __init__(self, drafter: Proposer, match: int) -> None:
+        self.drafter = drafter
+        self.match = match
+        self.aux_hidden_layers = drafter.aux_hidden_layers
+        self.caches = getattr(drafter, "caches", [])
+        self.num_lookup_drafts = 0       # requests drafted by lookup (for benchmarks and tests)
+
+    def propose(self, batch: ProposeBatch) -> list[Proposal]:
+        out: list[Proposal | None] = [None] * len(batch.requests)
+        rest = []
+        for i, (r, k) in enumerate(zip(batch.requests, batch.max_num_tokens)):
+            draft = find_ngram_draft(np.asarray(r.all_token_ids, dtype=np.int64), self.match,
+                                     self.match, k)
+            if draft:
+                out[i] = Proposal(draft)
+            else:
+                rest.append(i)
+        self.num_lookup_drafts += len(batch.requests) - len(rest)
+        sub = ProposeBatch([batch.requests[i] for i in rest],
+                           [batch.max_num_tokens[i] for i in rest], batch.step_requests,
+                           batch.runner_output)
+        for i, p in zip(rest, self.drafter.propose(sub)):
+            out[i] = p
+        return out
+
+    def finish(self, request) -> None:
+        self.drafter.finish(request)
