@@ -152,8 +152,9 @@ class SpeculativeConfig:
                 "ranks such as \"[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]\"; K = the number of nodes"})
     hybrid_prompt_lookup: int | None = field(default=None, metadata={
         "help": "draft_model and head methods: N turns on prompt lookup first: a request whose "
-                "last N tokens occurred earlier in its prompt or output drafts the tokens that "
-                "followed them, with no drafter pass; the drafter drafts the others (None = off)"})
+                "last N or more tokens occurred earlier in its prompt or output drafts the "
+                "tokens that followed the longest such match, with no drafter pass; the "
+                "drafter drafts the others (None = off)"})
     adaptive_k: bool = field(default=False, metadata={
         "help": "choose K per step (0..num_speculative_tokens) for the most tokens/s, from "
                 "measured acceptance and step times at the current batch size"})

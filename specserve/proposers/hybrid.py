@@ -1,8 +1,8 @@
 """Prompt lookup first, a model-based drafter for the rest (`hybrid_prompt_lookup`).
 
 Text that repeats earlier text (code being edited, quoted input) is drafted best by copying:
-a request whose last N tokens occurred earlier in its prompt or output drafts the tokens that
-followed their first occurrence, as method 'ngram' does, at no model cost. Only the other
+a request whose last N or more tokens occurred earlier in its prompt or output drafts the
+tokens that followed the longest such match, as method 'ngram' does, at no model cost. Only the other
 requests run the drafter. The drafter still sees every step, so a head keeps ingesting the
 target's features of the requests it did not draft for, and a draft model catches up on their
 tokens when it drafts for them again.
@@ -17,6 +17,10 @@ from specserve.proposers.ngram import find_ngram_draft
 
 
 class HybridProposer:
+    # Longest match looked for: among matches of at least this many tokens, the earliest is
+    # taken; growing them further costs a numpy pass per token and rarely changes the draft.
+    MAX_MATCH = 16
+
     def __init__(self, drafter: Proposer, match: int) -> None:
         self.drafter = drafter
         self.match = match
@@ -29,7 +33,7 @@ class HybridProposer:
         rest = []
         for i, (r, k) in enumerate(zip(batch.requests, batch.max_num_tokens)):
             draft = find_ngram_draft(np.asarray(r.all_token_ids, dtype=np.int64), self.match,
-                                     self.match, k)
+                                     max(self.match, self.MAX_MATCH), k)
             if draft:
                 out[i] = Proposal(draft)
             else:

@@ -8,7 +8,6 @@ Propose the up to K tokens that followed it; no match gives an empty draft.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specserve.config import SpeculativeConfig
 from specserve.proposers.base import Proposal, ProposeBatch
@@ -17,15 +16,21 @@ from specserve.proposers.base import Proposal, ProposeBatch
 def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """tokens: [L] int. Returns the draft (possibly shorter than k, or empty)."""
     L = len(tokens)
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        # Windows starting at 0..L-n-1: each leaves at least one token after it and excludes
-        # the trailing n-gram itself.
-        windows = sliding_window_view(tokens[:L - 1], n)             # [L - n, n]
-        hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
-            return tokens[start:start + k].tolist()
-    return []
+    # Earlier positions holding the last token, each the end of a match of length n so far;
+    # grow n while some still match, keeping those that do (in order: the earliest first).
+    # Each ends at L - 2 at most, so a token follows it and it is not the trailing n-gram.
+    ends = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])
+    n = 1 if ends.size else 0
+    while n < max_n:
+        longer = ends[ends >= n]
+        longer = longer[tokens[longer - n] == tokens[L - 1 - n]]
+        if not longer.size:
+            break
+        ends, n = longer, n + 1
+    if n < min_n:
+        return []
+    start = int(ends[0]) + 1
+    return tokens[start:start + k].tolist()
 
 
 class NgramProposer:

@@ -25,3 +25,21 @@ from specserve.proposers.ngram import find_ngram_draft
 ])
 def test_ngram_cases(tokens, lo, hi, k, draft):
     assert find_ngram_draft(np.array(tokens), lo, hi, k) == draft
+
+
+def test_ngram_draft_equals_a_window_by_window_search():
+    """The longest n in [lo, hi] whose trailing n-gram occurs earlier, earliest occurrence, as
+    a plain scan over every window finds it, on random short-alphabet sequences."""
+    def scan(tokens, lo, hi, k):
+        L = len(tokens)
+        for n in range(min(hi, L - 1), lo - 1, -1):
+            for s in range(L - n):
+                if tokens[s:s + n] == tokens[L - n:]:
+                    return tokens[s + n:s + n + k]
+        return []
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        tokens = rng.integers(0, 3, int(rng.integers(1, 40))).tolist()
+        lo = int(rng.integers(1, 5))
+        hi = lo + int(rng.integers(0, 6))
+        assert find_ngram_draft(np.array(tokens), lo, hi, 4) == scan(tokens, lo, hi, 4)
