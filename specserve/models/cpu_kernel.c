@@ -484,14 +484,40 @@ static void row_inputs(const int64_t *rows, int64_t m, const int64_t *slots, con
  * the model's forward and compute_logits), so the drafts equal that loop's. cos_sin: the
  * rotary table [positions, 2, head_dim]. Return 0, or -1 when out of memory. */
 
-/* A head that drafts from its own state (EAGLE-1, EAGLE-3, MTP): pass j drafts token j from
- * state[b] by greedy_rows (final_norm NULL for EAGLE-1; d2t for EAGLE-3's draft vocabulary);
- * while the request drafts on, with cat = [e_norm(embed[token]); h_norm(state)] (a NULL norm
- * copies its half), the head's layer (weights w, shape s) runs at position pos0[b] + j of KV
- * slot slots[b], and its output is the next state: over x = fc(cat) + fc_bias (EAGLE-1, MTP;
- * fc_bias may be NULL), or, with fc NULL, with cat as the attention input and the state as
- * residual (EAGLE-3). state [B, H] is overwritten. */
-int specserve_head_chain(const Shape *s, int64_t B, int64_t n, float *state,
+/* The pass of a head that drafts from its own state (EAGLE-1, EAGLE-3, MTP) over m rows of
+ * (token tok[k], state x[k]) at positions pos[k] of KV slots slot[k]: with cat = [e_norm(
+ * embed[tok]); h_norm(x)] (a NULL norm copies its half), the head's layer (weights w, shape ls)
+ * runs over x = fc(cat) + fc_bias (EAGLE-1, MTP; fc_bias may be NULL), or, with fc NULL, with
+ * cat as the attention input and x as residual (EAGLE-3); x [m, H] becomes its output.
+ * Scratch: cat [m, 2H]. */
+static int head_rows(const Shape *ls, int64_t m, const int64_t *tok, float *x,
+                     const int64_t *slot, const int64_t *pos, const float *rot,
+                     const float *embed, const float *e_norm, const float *h_norm,
+                     const void *fc, int fc_bf16, const float *fc_bias, const void *const *w,
+                     float *k_cache, float *v_cache, float *cat, int nthreads) {
+    const int64_t H = ls->hidden;
+    for (int64_t k = 0; k < m; k++) {
+        float *e = cat + k * 2 * H, *h = e + H;
+        if (e_norm) rms_norm(embed + tok[k] * H, e_norm, ls->eps, 1, H, H, H, e);
+        else memcpy(e, embed + tok[k] * H, H * sizeof(float));
+        if (h_norm) rms_norm(x + k * H, h_norm, ls->eps, 1, H, H, H, h);
+        else memcpy(h, x + k * H, H * sizeof(float));
+    }
+    if (fc) specserve_linear(cat, m, fc, fc_bf16, fc_bias, H, 2 * H, x, H, 0, nthreads);
+    return specserve_layer(ls, m, x, fc ? NULL : cat, slot, pos, w, k_cache, v_cache, rot,
+                           rot + ls->head_dim, NULL, 0, nthreads);
+}
+
+/* A head's chain (head_rows), after ingesting the T rows the target verified since the last
+ * step: (token in_tok[t], target feature in_h[t]) at position in_pos[t] of slot in_slot[t], the
+ * rows of each request in order; in_h [T, H] is overwritten and the state of request b is the
+ * ingest output at row last[b]. With T = 0 the caller gives the state. Pass j drafts token j
+ * from state[b] by greedy_rows (final_norm NULL for EAGLE-1; d2t for EAGLE-3's draft
+ * vocabulary); while the request drafts on, head_rows feeds (token j, state) at position
+ * pos0[b] + j of slot slots[b] and its output is the next state. state [B, H] is overwritten. */
+int specserve_head_chain(const Shape *s, int64_t T, const int64_t *in_tok, float *in_h,
+                         const int64_t *in_slot, const int64_t *in_pos, const int64_t *last,
+                         int64_t B, int64_t n, float *state,
                          const int64_t *slots, const int64_t *pos0, int64_t *budget,
                          float threshold, const float *embed, const float *e_norm,
                          const float *h_norm, const void *fc, int fc_bf16, const float *fc_bias,
@@ -499,17 +525,25 @@ int specserve_head_chain(const Shape *s, int64_t B, int64_t n, float *state,
                          int64_t vocab, const int64_t *d2t, const float *cos_sin,
                          const void *const *w, float *k_cache, float *v_cache, int64_t *tokens,
                          int nthreads) {
-    const int64_t H = s->hidden, D = s->head_dim;
+    const int64_t H = s->hidden, D = s->head_dim, R = T > B ? T : B;
     Shape ls = *s;
     ls.rot_stride = 2 * D;
     float *normed = malloc(sizeof(float) * B * H), *logits = malloc(sizeof(float) * B * vocab);
-    float *cat = malloc(sizeof(float) * B * 2 * H), *rot = malloc(sizeof(float) * B * 2 * D);
+    float *cat = malloc(sizeof(float) * R * 2 * H), *rot = malloc(sizeof(float) * R * 2 * D);
     float *prob = threshold > 0 ? malloc(sizeof(float) * B) : NULL;
     int64_t *ints = malloc(sizeof(int64_t) * B * 4);
     int rc = normed && logits && cat && rot && ints && (prob || threshold <= 0) ? 0 : -1;
     int64_t *rows = ints, *slot = ints + B, *pos = ints + 2 * B, *tok = ints + 3 * B, m = B;
+    if (rc == 0 && T > 0) {
+        for (int64_t t = 0; t < T; t++)
+            memcpy(rot + t * 2 * D, cos_sin + in_pos[t] * 2 * D, 2 * D * sizeof(float));
+        rc = head_rows(&ls, T, in_tok, in_h, in_slot, in_pos, rot, embed, e_norm, h_norm, fc,
+                       fc_bf16, fc_bias, w, k_cache, v_cache, cat, nthreads);
+        for (int64_t b = 0; rc == 0 && b < B; b++)
+            memcpy(state + b * H, in_h + last[b] * H, H * sizeof(float));
+    }
     for (int64_t b = 0; b < B; b++) rows[b] = b;
-    m = keep_rows(rows, m, budget, 0, state, H, NULL);
+    m = rc == 0 ? keep_rows(rows, m, budget, 0, state, H, NULL) : 0;
     for (int64_t j = 0; rc == 0 && m > 0; j++) {
         greedy_rows(state, m, H, final_norm, s->eps, lm_head, lm_bf16, vocab, d2t, normed,
                     logits, tok, prob, nthreads);
@@ -517,16 +551,8 @@ int specserve_head_chain(const Shape *s, int64_t B, int64_t n, float *state,
         stop_unsure(rows, m, prob, threshold, j, budget);
         if ((m = keep_rows(rows, m, budget, j + 1, state, H, tok)) == 0) break;
         row_inputs(rows, m, slots, pos0, j, cos_sin, D, slot, pos, rot);
-        for (int64_t k = 0; k < m; k++) {
-            float *e = cat + k * 2 * H, *h = e + H;
-            if (e_norm) rms_norm(embed + tok[k] * H, e_norm, s->eps, 1, H, H, H, e);
-            else memcpy(e, embed + tok[k] * H, H * sizeof(float));
-            if (h_norm) rms_norm(state + k * H, h_norm, s->eps, 1, H, H, H, h);
-            else memcpy(h, state + k * H, H * sizeof(float));
-        }
-        if (fc) specserve_linear(cat, m, fc, fc_bf16, fc_bias, H, 2 * H, state, H, 0, nthreads);
-        rc = specserve_layer(&ls, m, state, fc ? NULL : cat, slot, pos, w, k_cache, v_cache, rot,
-                             rot + D, NULL, 0, nthreads);
+        rc = head_rows(&ls, m, tok, state, slot, pos, rot, embed, e_norm, h_norm, fc, fc_bf16,
+                       fc_bias, w, k_cache, v_cache, cat, nthreads);
     }
     free(normed); free(logits); free(cat); free(rot); free(prob); free(ints);
     return rc;

@@ -92,7 +92,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_layer.restype = ctypes.c_int
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
-    lib.specserve_head_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 4 + [
+    lib.specserve_head_chain.argtypes = [ctypes.POINTER(_Shape), _I64] + [_P] * 5 + [
+        _I64, _I64] + [_P] * 4 + [
         ctypes.c_float] + [_P] * 4 + [ctypes.c_int] + [_P] * 3 + [ctypes.c_int, _I64] + [
         _P] * 6 + [ctypes.c_int]
     lib.specserve_head_chain.restype = ctypes.c_int
@@ -271,10 +272,34 @@ class HeadChain(_Chain):
         with a threshold a request stops after its first draft the head gives a lower
         probability."""
         state = state.contiguous().clone()                       # the C call overwrites it
+        return self._draft((0, None, None, None, None, None), state, positions, slots, budgets,
+                           threshold)
+
+    def after_ingest(self, ids: list[int], h: torch.Tensor, row_slots: list[int],
+                     row_positions: list[int], last: list[int], positions: list[int],
+                     slots: list[int], budgets: list[int],
+                     threshold: float = 0.0) -> list[list[int]]:
+        """The head's pass over the T rows the target verified (token ids[t] with its feature
+        h [T, H], fuse_target's output, at row_positions[t] of slot row_slots[t]), as its
+        forward would run it, then __call__ from the output rows `last` (one per drafting
+        request): one C call instead of the PyTorch pass and the chain."""
+        if max(row_positions) >= self.max_positions:
+            raise ValueError(f"HeadChain: ingest positions past the {self.max_positions} of "
+                             "the rotary table or KV cache")
+        h = h.contiguous().clone()                               # the C call overwrites it
+        ints = torch.tensor([ids, row_slots, row_positions], dtype=torch.long)     # [3, T]
+        last_t = torch.tensor(last, dtype=torch.long)
+        state = h.new_empty(len(last), h.shape[1])
+        return self._draft((len(ids), ints[0].data_ptr(), h.data_ptr(), ints[1].data_ptr(),
+                            ints[2].data_ptr(), last_t.data_ptr()), state, positions, slots,
+                           budgets, threshold)
+
+    def _draft(self, ingest: tuple, state: torch.Tensor, positions: list[int],
+               slots: list[int], budgets: list[int], threshold: float) -> list[list[int]]:
         n = max(budgets)
         cos_sin, emb, e_n, h_n, fc, fc_b, fin_n, lm, d2t, k, v = self.ptrs
         return self._call(self.lib.specserve_head_chain,
-                          (ctypes.byref(self.shape), len(slots), n, state.data_ptr()),
+                          (ctypes.byref(self.shape), *ingest, len(slots), n, state.data_ptr()),
                           slots, positions, budgets, threshold,
                           (emb, e_n, h_n, fc, self.fc_bf16, fc_b, fin_n, lm, self.lm_bf16,
                            self.vocab, d2t, cos_sin, self.layer.weights, k, v),

@@ -5,7 +5,9 @@ every request the target just ran (prompt chunks included), the pairs of the pos
 target has verified since: (target hidden at p, token p+1). Its output at the last verified
 position drafts the first token; each further draft feeds (head output, last draft) at the next
 position. Positions written while drafting are overwritten by the next step's target pairs, so
-rollback is just the count of verified positions, as for the target.
+rollback is just the count of verified positions, as for the target. On the CPU kernel the
+ingest pass and the greedy chain run in one C call (`HeadChain.after_ingest`) when the step's
+rows fit the kernel.
 
 While no request drafts (K = 0 by `disable_by_batch_size` or `adaptive_k`), ingestion waits:
 the target features of each step are kept per request and fed in one pass when drafting
@@ -87,16 +89,24 @@ class HeadProposer:
         if not reqs:
             return []
         h = self.head.fuse_target(torch.cat(rows))                            # [T, H]
-        head_out = self._run(reqs, tokens, h, starts)
-        ends = torch.tensor([len(t) for t in tokens]).cumsum(0) - 1
-        last = {id(r): head_out[e] for r, e in zip(reqs, ends.tolist())}
+        ends = (torch.tensor([len(t) for t in tokens]).cumsum(0) - 1).tolist()
         drafting = batch.requests
+        if drafting and self.chain is not None and max(len(drafting), len(h)) <= MAX_ROWS:
+            end = {id(r): e for r, e in zip(reqs, ends)}
+            return [Proposal(t) for t in self.chain.after_ingest(
+                [t for ts in tokens for t in ts], h,
+                [r.slot for r, ts in zip(reqs, tokens) for _ in ts],
+                [p + i for p, ts in zip(starts, tokens) for i in range(len(ts))],
+                [end[id(r)] for r in drafting], [r.num_tokens - 1 for r in drafting],
+                [r.slot for r in drafting], batch.max_num_tokens, self.threshold)]
+        head_out = self._run(reqs, tokens, h, starts)
+        last = {id(r): head_out[e] for r, e in zip(reqs, ends)}
         if not drafting:
             return []
         state = torch.stack([last[id(r)] for r in drafting])               # [B, H]
         if self.tree is not None:
             return self._draft_trees(drafting, batch.max_num_tokens, state)
-        if self.chain is not None and len(drafting) <= MAX_ROWS:
+        if self.chain is not None and len(drafting) <= MAX_ROWS:        # a long ingest first
             return [Proposal(t) for t in self.chain(state, [r.num_tokens - 1 for r in drafting],
                                                     [r.slot for r in drafting],
                                                     batch.max_num_tokens, self.threshold)]
