@@ -106,7 +106,7 @@ class HeadProposer:
         state = torch.stack([last[id(r)] for r in drafting])               # [B, H]
         if self.tree is not None:
             return self._draft_trees(drafting, batch.max_num_tokens, state)
-        if self.chain is not None and len(drafting) <= MAX_ROWS:        # a long ingest first
+        if self.chain is not None and len(drafting) <= MAX_ROWS:    # after a long ingest
             return [Proposal(t) for t in self.chain(state, [r.num_tokens - 1 for r in drafting],
                                                     [r.slot for r in drafting],
                                                     batch.max_num_tokens, self.threshold)]

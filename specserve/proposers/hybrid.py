@@ -2,10 +2,10 @@
 
 Text that repeats earlier text (code being edited, quoted input) is drafted best by copying:
 a request whose last N or more tokens occurred earlier in its prompt or output drafts the
-tokens that followed the longest such match, as method 'ngram' does, at no model cost. Only the other
-requests run the drafter. The drafter still sees every step, so a head keeps ingesting the
-target's features of the requests it did not draft for, and a draft model catches up on their
-tokens when it drafts for them again.
+tokens that followed the longest such match, as method 'ngram' does, at no model cost. Only
+the other requests run the drafter. The drafter still sees every step, so a head keeps
+ingesting the target's features of the requests it did not draft for, and a draft model
+catches up on their tokens when it drafts for them again.
 """
 
 from __future__ import annotations

@@ -32,9 +32,10 @@ def _drafter_drafts(llm) -> dict[tuple[str, int], list[int]]:
 def test_hybrid_is_lossless_and_leaves_the_drafter_in_step(method, llama_dir, draft_dir,
                                                            tmp_path):
     """Repeating prompts alone and in a batch: greedy output equals no-spec; lookup and the
-    drafter both draft, and some steps are lookup's alone; and wherever both runs asked the drafter at the same point of a
-    request, it drafted the same tokens: skipping its drafts for lookup steps left its state
-    (a head's ingested features, a draft model's cache) as if it had drafted every step."""
+    drafter both draft, and some steps are lookup's alone; and wherever both runs asked the
+    drafter at the same point of a request, it drafted the same tokens: skipping its drafts
+    for lookup steps left its state (a head's ingested features, a draft model's cache) as if
+    it had drafted every step."""
     model = str(eagle3_ckpt(tmp_path / "e3")) if method == "eagle3" else str(draft_dir)
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(8, seed=4)]
     params = [SamplingParams(temperature=0, max_tokens=12 + 4 * i, ignore_eos=True)
