@@ -39,3 +39,11 @@ def test_cuda_draft_model_and_seeded_sampling(llama_dir, draft_dir):
     assert _tokens(llm) == _tokens(LLM(str(llama_dir), device="cuda"))
     sp = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=16, ignore_eos=True)
     assert _tokens(llm, sp) == _tokens(llm, sp)
+
+
+def test_cuda_hybrid_prompt_lookup_is_lossless(llama_dir, draft_dir):
+    spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3,
+            "hybrid_prompt_lookup": 2}
+    llm = LLM(str(llama_dir), device="cuda", speculative_config=spec)
+    assert _tokens(llm) == _tokens(LLM(str(llama_dir), device="cuda"))
+    assert llm.engine.proposer.num_lookup_drafts > 0
