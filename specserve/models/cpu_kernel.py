@@ -235,15 +235,19 @@ class _Chain:
         """fn(*before, slots, positions, budgets, threshold, *after, tokens, threads) -> each
         request's drafts (budgets[b], or fewer where one fell below the threshold), from tokens
         [B, max budget]."""
-        if max(p + n - 1 for p, n in zip(positions, budgets)) > self.max_positions:
-            raise ValueError(f"{type(self).__name__}: draft positions past the "
-                             f"{self.max_positions} of the rotary table or KV cache")
+        self._check_end(max(p + n - 1 for p, n in zip(positions, budgets)), "draft")
         ints = torch.tensor([slots, positions, budgets], dtype=torch.long)     # [3, B]
         rc = fn(*before, *(row.data_ptr() for row in ints), threshold, *after,
                 tokens.data_ptr(), torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"{type(self).__name__}: could not allocate scratch memory")
         return [t[:n] for t, n in zip(tokens.tolist(), ints[2].tolist())]   # budgets as drafted
+
+    def _check_end(self, end: int, what: str) -> None:
+        """Refuse positions from `end` on (the C code indexes rotary rows and KV unchecked)."""
+        if end > self.max_positions:
+            raise ValueError(f"{type(self).__name__}: {what} positions past the "
+                             f"{self.max_positions} of the rotary table or KV cache")
 
 
 class HeadChain(_Chain):
@@ -283,9 +287,7 @@ class HeadChain(_Chain):
         h [T, H], fuse_target's output, at row_positions[t] of slot row_slots[t]), as its
         forward would run it, then __call__ from the output rows `last` (one per drafting
         request): one C call instead of the PyTorch pass and the chain."""
-        if max(row_positions) >= self.max_positions:
-            raise ValueError(f"HeadChain: ingest positions past the {self.max_positions} of "
-                             "the rotary table or KV cache")
+        self._check_end(max(row_positions) + 1, "ingest")
         h = h.contiguous().clone()                               # the C call overwrites it
         ints = torch.tensor([ids, row_slots, row_positions], dtype=torch.long)     # [3, T]
         last_t = torch.tensor(last, dtype=torch.long)

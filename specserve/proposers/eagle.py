@@ -16,6 +16,8 @@ resumes, or once a request has `MAX_PENDING` of them (bounding the memory they h
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from specserve.config import SpeculativeConfig
@@ -89,7 +91,7 @@ class HeadProposer:
         if not reqs:
             return []
         h = self.head.fuse_target(torch.cat(rows))                            # [T, H]
-        ends = (torch.tensor([len(t) for t in tokens]).cumsum(0) - 1).tolist()
+        ends = [e - 1 for e in itertools.accumulate(len(t) for t in tokens)]  # last rows
         drafting = batch.requests
         if drafting and self.chain is not None and max(len(drafting), len(h)) <= MAX_ROWS:
             end = {id(r): e for r, e in zip(reqs, ends)}
