@@ -93,32 +93,45 @@ def test_weight_bytes_as_stored_and_as_the_cpu_kernel_streams_them(llama_dir):
     assert weight_bytes(model, streamed=True) == expected
 
 
+class _Runner:
+    """A runner that writes `token` max_tokens times and checks that no round sees an earlier
+    round's prompts."""
+
+    def __init__(self, name: str, dtype: str = "float32", token: int = 1) -> None:
+        self.name, self.dtype, self.token, self.rounds, self.seen = name, dtype, token, 0, set()
+
+    def new_round(self):
+        self.rounds += 1
+        self.seen.clear()
+
+    def run(self, prompts, max_tokens, temperature=0.0):
+        assert not self.seen & set(prompts), "a round saw an earlier round's answers"
+        self.seen |= set(prompts)
+        return [[self.token] * max_tokens for _ in prompts]
+
+    def acceptance(self):
+        return None
+
+    def note(self):
+        return None
+
+
 def test_each_round_starts_without_the_previous_rounds_answers():
     """The rounds repeat the same prompts: a runner forgets what it learned from them (suffix's
     past responses) before each round, so that the rounds measure the same thing."""
     from specserve.bench.offline import run_suite
-
-    class Runner:
-        def __init__(self, name):
-            self.name, self.rounds, self.seen = name, 0, set()
-
-        def new_round(self):
-            self.rounds += 1
-            self.seen.clear()
-
-        def run(self, prompts, max_tokens, temperature=0.0):
-            assert not self.seen & set(prompts), "a round saw an earlier round's answers"
-            self.seen |= set(prompts)
-            return [[1] * max_tokens for _ in prompts]
-
-        def acceptance(self):
-            return None
-
-        def note(self):
-            return None
-    runners = [Runner("a"), Runner("b")]
+    runners = [_Runner("a"), _Runner("b")]
     run_suite(runners, ["p", "q", "r"], batch=2, max_tokens=3, rounds=3)
     assert [r.rounds for r in runners] == [3, 3]
+
+
+def test_greedy_outputs_are_compared_with_the_no_spec_of_their_dtype():
+    from specserve.bench.offline import run_suite
+    runners = [_Runner("a"), _Runner("b"), _Runner("c", "bfloat16", 2),
+               _Runner("d", "bfloat16", 1)]
+    results = {r.name: r for r in run_suite(runners, ["p", "q", "r"], batch=2, max_tokens=3,
+                                             rounds=1)}
+    assert [results[n].same_output for n in "abcd"] == ["3/3", "3/3", "3/3", "0/3"]
 
 
 def test_hybrid_runner_notes_the_share_of_lookup_drafts(llama_dir, draft_dir):

@@ -46,7 +46,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-extra", default=None,
                    help="JSON merged into every speculative_config, e.g. "
                         "'{\"disable_by_batch_size\": 8}'")
-    p.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    p.add_argument("--dtype", default="float32",
+                   help="float32 or bfloat16; bench latency takes a comma-separated list and "
+                        "runs no-spec and every method in each (speedups against the first "
+                        "dtype's no-spec, greedy output compared within a dtype)")
     p.add_argument("--results", default="benchmarks/RESULTS.md")
 
 

@@ -101,7 +101,7 @@ class SpecserveRunner:
         self.name = name
         self.llm = LLM(target, speculative_config=spec, dtype=dtype, device="cpu",
                        max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel)
-        self.spec = spec
+        self.spec, self.dtype = spec, dtype
 
     def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0
             ) -> list[list[int]]:
@@ -148,7 +148,7 @@ class TransformersRunner:
                  dtype: str) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         dt = getattr(torch, dtype)
-        self.name = name
+        self.name, self.dtype = name, dtype
         self.tok = AutoTokenizer.from_pretrained(target)
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dt).eval()
         self.kw: dict = {}
@@ -182,8 +182,8 @@ class TransformersRunner:
 
 def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: int,
               temperature: float = 0.0) -> list[Result]:
-    """Runs every runner on every prompt group per round; the first runner is the reference
-    whose greedy outputs the others are compared with (not when sampling)."""
+    """Runs every runner on every prompt group per round; greedy outputs (not when sampling)
+    are compared with those of the first runner of the same dtype (the dtype's no-spec)."""
     results = {r.name: Result(r.name) for r in runners}
     outputs: dict[str, list[list[int]]] = {}
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
@@ -199,10 +199,14 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
             outputs[r.name] = [ids for g in groups for ids in r.run(g, max_tokens, temperature)]
             n = sum(len(ids) for ids in outputs[r.name])
             results[r.name].tokens_per_s.append(n / (time.perf_counter() - t))
-    ref = outputs[runners[0].name]
-    for name, outs in outputs.items():
-        if not temperature:
-            results[name].same_output = f"{sum(a == b for a, b in zip(outs, ref))}/{len(ref)}"
+    first = {}
+    for r in runners:
+        first.setdefault(r.dtype, r.name)
+    for r in runners:
+        if not temperature and r.name in outputs:
+            ref = outputs[first[r.dtype]]
+            same = sum(a == b for a, b in zip(outputs[r.name], ref))
+            results[r.name].same_output = f"{same}/{len(ref)}"
     for r in runners:
         acc = r.acceptance()
         if acc:
@@ -280,35 +284,41 @@ def main(argv: list[str]) -> None:
         torch.set_num_threads(a.threads)
     K = a.num_speculative_tokens
     specs = configs(a)
+    dtypes = a.dtype.split(",")
+    dtype = dtypes[0]
     all_results: dict[str, list[Result]] = {}
     bw = memory_bandwidth_gbs()
     for set_name in a.prompt_sets.split(","):
         prompts = PROMPT_SETS[set_name](a.num_prompts)
         for batch in [int(b) for b in a.batch_sizes.split(",")]:
             # Fresh engines per suite so acceptance statistics belong to this suite only.
-            runners = [SpecserveRunner("specserve no-spec", a.target, None, a.dtype)]
+            runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype)]
             if a.pytorch_path:
                 runners.append(SpecserveRunner("specserve no-spec, PyTorch path", a.target,
-                                               None, a.dtype, cpu_kernel=False))
-            runners += [SpecserveRunner(f"specserve {m} ({_k_label(spec)})", model, spec, a.dtype)
-                        for m, (model, spec) in specs.items()]
+                                               None, dtype, cpu_kernel=False))
+            for d in dtypes:                  # the first dtype unnamed; each further one named
+                tag = "" if d == dtype else f", {d}"
+                if tag:
+                    runners.append(SpecserveRunner(f"specserve no-spec{tag}", a.target, None, d))
+                runners += [SpecserveRunner(f"specserve {m} ({_k_label(spec)}){tag}", model, spec,
+                                            d) for m, (model, spec) in specs.items()]
             if not a.no_transformers and batch == 1:
                 runners += [TransformersRunner("transformers generate()", a.target, None, None,
-                                               a.dtype),
+                                               dtype),
                             TransformersRunner("transformers assisted (draft, K dynamic)",
-                                               a.target, a.draft, None, a.dtype),
+                                               a.target, a.draft, None, dtype),
                             TransformersRunner(f"transformers prompt lookup ({K})", a.target,
-                                               None, K, a.dtype)]
+                                               None, K, dtype)]
             key = f"{set_name}, batch {batch}"
             print(f"== {key}", flush=True)
             all_results[key] = run_suite(runners, prompts, batch, a.max_tokens, a.rounds,
                                          a.temperature)
             print(_table(all_results[key], "specserve no-spec"), flush=True)
     # Decode alone against the bandwidth floor (tokens/s above include the prompts' prefill).
-    floor_runners = [SpecserveRunner("specserve no-spec", a.target, None, a.dtype)]
+    floor_runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype)]
     if a.pytorch_path:
         floor_runners.append(SpecserveRunner("specserve no-spec, PyTorch path", a.target, None,
-                                             a.dtype, cpu_kernel=False))
+                                             dtype, cpu_kernel=False))
     decode = {r.name: decode_ms_per_token(r.llm) for r in floor_runners}
     target_model = floor_runners[0].llm.engine.model
     wb, streamed = weight_bytes(target_model), weight_bytes(target_model, streamed=True)

@@ -13,6 +13,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 /* Vector width by instruction set: a v16 on a 256-bit machine spills registers and ran at a
  * tenth of the speed. ACC: accumulators a linear tile keeps in registers; CHUNK: rows per pass
@@ -105,63 +108,141 @@ static inline vf load_w(const void *p, int64_t k, int bf16) {
     return (vf)(__builtin_convertvector(h, vi) << 16);
 }
 
-/* Weights are packed (cpu_kernel.pack_weight) as [ceil(out / (4 VL)) * 4][in][VL]: blocks of
- * VL output columns (specserve_block()), each block's `in` rows contiguous, in float32 or,
- * for weights that bfloat16 holds exactly (checkpoints stored in bfloat16), in bfloat16: half
- * the bytes to stream and the same products. A tile of nb blocks times tb rows keeps its
- * tb * nb accumulators in registers while the weights stream past once; each output is summed
- * over i in order, the same for every tb and nb. */
-static inline __attribute__((always_inline)) void tile(const void *wp, int bf16, const float *x,
+/* Weight modes (the packed layout and what the products take; cpu_kernel.pack_weight):
+ * F32: float32 weights, float32 inputs; BF16: weights that bfloat16 holds exactly (checkpoints
+ * stored in bfloat16), streamed in bfloat16: half the bytes, the same products; PAIRS:
+ * bfloat16 weights and inputs (the inputs rounded to nearest even), accumulated in float32,
+ * consecutive inputs interleaved in pairs: on CPUs with AVX512-BF16 one instruction takes 32
+ * products, and no weight needs widening first. */
+enum { F32, BF16, PAIRS };
+
+/* Weights are packed as [ceil(out / (4 VL)) * 4][in][VL] (F32, BF16) or [.. * 4][in / 2][VL][2]
+ * (PAIRS, `in` rounded up to even): blocks of VL output columns (specserve_block()), each
+ * block's inputs contiguous. A tile of nb blocks times tb rows keeps its tb * nb accumulators
+ * in registers while the weights stream past once; each output is summed over i in order, the
+ * same for every tb and nb. For PAIRS, x holds the rows as bfloat16 pairs (uint32, `in` of
+ * them per row: here `in` counts pairs). */
+static inline __attribute__((always_inline)) void tile(const void *wp, int mode, const void *xp,
                                                        int64_t in, int tb, int nb, float *y) {
+#if defined(__AVX512BF16__) && VL == 16
+    if (mode == PAIRS) {
+        const uint32_t *x = xp;
+        __m512 acc[16][4];
+        for (int t = 0; t < tb; t++)
+            for (int b = 0; b < nb; b++) acc[t][b] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < in; i++) {
+            __m512bh w[4];
+            for (int b = 0; b < nb; b++)
+                w[b] = (__m512bh)_mm512_loadu_si512((const uint32_t *)wp + (b * in + i) * VL);
+            for (int t = 0; t < tb; t++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[t * in + i]);
+                for (int b = 0; b < nb; b++) acc[t][b] = _mm512_dpbf16_ps(acc[t][b], w[b], xv);
+            }
+        }
+        for (int t = 0; t < tb; t++)
+            for (int b = 0; b < nb; b++) _mm512_storeu_ps(y + t * 4 * VL + b * VL, acc[t][b]);
+        return;
+    }
+#endif
     vf acc[16][4];
     for (int t = 0; t < tb; t++)
         for (int b = 0; b < nb; b++) acc[t][b] = (vf){0};
-    for (int64_t i = 0; i < in; i++) {
-        vf w[4];
-        for (int b = 0; b < nb; b++) w[b] = load_w(wp, (b * in + i) * VL, bf16);
-        for (int t = 0; t < tb; t++) {
-            float xv = x[t * in + i];
-            for (int b = 0; b < nb; b++) acc[t][b] += w[b] * xv;
+    if (mode == PAIRS) {        /* without AVX512-BF16: widen, then the odd input before the even */
+        const uint32_t *x = xp;
+        for (int64_t i = 0; i < in; i++) {
+            vf lo[4], hi[4];
+            for (int b = 0; b < nb; b++) {
+                vi w;
+                memcpy(&w, (const uint32_t *)wp + (b * in + i) * VL, sizeof w);
+                lo[b] = (vf)(w << 16);
+                hi[b] = (vf)(w & (int32_t)0xffff0000u);
+            }
+            for (int t = 0; t < tb; t++) {
+                const uint32_t u = x[t * in + i], ulo = u << 16, uhi = u & 0xffff0000u;
+                float xlo, xhi;
+                memcpy(&xlo, &ulo, 4);
+                memcpy(&xhi, &uhi, 4);
+                for (int b = 0; b < nb; b++) {
+                    acc[t][b] += hi[b] * xhi;
+                    acc[t][b] += lo[b] * xlo;
+                }
+            }
+        }
+    } else {
+        const float *x = xp;
+        for (int64_t i = 0; i < in; i++) {
+            vf w[4];
+            for (int b = 0; b < nb; b++) w[b] = load_w(wp, (b * in + i) * VL, mode == BF16);
+            for (int t = 0; t < tb; t++) {
+                float xv = x[t * in + i];
+                for (int b = 0; b < nb; b++) acc[t][b] += w[b] * xv;
+            }
         }
     }
     for (int t = 0; t < tb; t++)
         for (int b = 0; b < nb; b++) storev(y + t * 4 * VL + b * VL, acc[t][b]);
 }
 
+/* bfloat16 bits of f, rounded to nearest even */
+static inline uint32_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u + 0x7fffu + ((u >> 16) & 1)) >> 16;
+}
+
+/* rows [T, in] of floats -> [T, ceil(in / 2)] bfloat16 pairs (input 2i in the low half) */
+static void to_pairs(const float *x, int64_t T, int64_t in, uint32_t *out) {
+    const int64_t in2 = (in + 1) / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < in2; i++) {
+            const float *r = x + t * in + 2 * i;
+            out[t * in2 + i] = bf16_bits(r[0]) | (2 * i + 1 < in ? bf16_bits(r[1]) << 16 : 0);
+        }
+}
+
 int specserve_block(void) { return VL; }
 
 /* blocks per tile for `rows` rows: as wide as the accumulator budget allows */
 #define NB_FOR(rows) ((rows) * 4 <= ACC ? 4 : (rows) * 2 <= ACC ? 2 : 1)
-#define TILE(TB, BF)                                                                        \
+#define TILE(TB, MODE)                                                                      \
     case TB:                                                                                \
-        tile((const char *)wp + c * NB_FOR(TB) * in * VL * esize, BF, xt, in, TB,           \
+        tile((const char *)wp + c * NB_FOR(TB) * in_w * VL * esize, MODE, xt, in_x, TB,     \
              NB_FOR(TB), buf);                                                              \
         break;
-#define TILES(BF)                                                                           \
+#define TILES(MODE)                                                                         \
     switch (rows) {                                                                         \
-        TILE(1, BF) TILE(2, BF) TILE(3, BF) TILE(4, BF) TILE(5, BF) TILE(6, BF)             \
-        TILE(7, BF) TILE(8, BF) TILE(9, BF) TILE(10, BF) TILE(11, BF) TILE(12, BF)          \
-        TILE(13, BF) TILE(14, BF) TILE(15, BF) TILE(16, BF)                                 \
+        TILE(1, MODE) TILE(2, MODE) TILE(3, MODE) TILE(4, MODE) TILE(5, MODE) TILE(6, MODE) \
+        TILE(7, MODE) TILE(8, MODE) TILE(9, MODE) TILE(10, MODE) TILE(11, MODE)             \
+        TILE(12, MODE) TILE(13, MODE) TILE(14, MODE) TILE(15, MODE) TILE(16, MODE)          \
     }
 
-/* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed (bfloat16
- * when bf16, else float32); y has row stride ldy. Rows go CHUNK at a time, each pass in tiles
- * as wide as NB_FOR allows. Threads split the tiles. */
-void specserve_linear(const float *x, int64_t T, const void *wp, int bf16, const float *bias,
-                      int64_t out, int64_t in, float *y, int64_t ldy, int accumulate,
-                      int nthreads) {
-    const int64_t esize = bf16 ? 2 : 4;
+/* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed in `mode`
+ * (F32, BF16, PAIRS); y has row stride ldy. Rows go CHUNK at a time, each pass in tiles as
+ * wide as NB_FOR allows. Threads split the tiles. Returns 0, or -1 when out of memory. */
+int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const float *bias,
+                     int64_t out, int64_t in, float *y, int64_t ldy, int accumulate,
+                     int nthreads) {
+    const int64_t esize = mode == F32 ? 4 : 2, in_w = mode == PAIRS ? in + in % 2 : in;
+    const int64_t in_x = mode == PAIRS ? in_w / 2 : in;      /* x values per row in a tile */
+    uint32_t *pairs = NULL;
+    if (mode == PAIRS && !(pairs = malloc(sizeof(uint32_t) * CHUNK * in_x))) return -1;
     for (int64_t t0 = 0; t0 < T; t0 += CHUNK) {
         const int64_t rows = T - t0 < CHUNK ? T - t0 : CHUNK;
         const int64_t width = NB_FOR(rows) * VL, ntiles = (out + width - 1) / width;
-        const float *xt = x + t0 * in;
+        const void *xt = x + t0 * in;
+        if (pairs) {
+            to_pairs(x + t0 * in, rows, in, pairs);
+            xt = pairs;
+        }
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t c = 0; c < ntiles; c++) {
             float buf[16 * 4 * VL];
-            if (bf16) {
-                TILES(1)
+            if (mode == PAIRS) {
+                TILES(PAIRS)
+            } else if (mode == BF16) {
+                TILES(BF16)
             } else {
-                TILES(0)
+                TILES(F32)
             }
             const int64_t o0 = c * width, n = out - o0 < width ? out - o0 : width;
             for (int64_t t = 0; t < rows; t++) {
@@ -173,6 +254,8 @@ void specserve_linear(const float *x, int64_t T, const void *wp, int bf16, const
             }
         }
     }
+    free(pairs);
+    return 0;
 }
 
 /* y = weight * x / sqrt(mean(x^2) + eps) over rows of length n */
@@ -283,7 +366,7 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t attn_in;        /* width of the attention input (EAGLE-3: 2 * hidden) */
     int64_t max_len;        /* KV positions per slot */
-    int64_t bf16;           /* the four weight matrices are packed in bfloat16 */
+    int64_t mode;           /* how the four weight matrices are packed: F32, BF16, PAIRS */
     int64_t rot_stride;     /* floats from one row's cos (or sin) to the next row's */
     float eps, scale;
 } Shape;
@@ -305,7 +388,7 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
     const int64_t H = s->hidden, NH = s->num_heads, NKV = s->num_kv_heads, D = s->head_dim;
     const int64_t I = s->intermediate, QKV = (NH + 2 * NKV) * D, group = NH / NKV;
     const int64_t slot_stride = NKV * s->max_len * D;
-    const int bf = (int)s->bf16;
+    const int mode = (int)s->mode;
     if (D > 1024) return -1;
     const int64_t widest = QKV > 2 * I ? QKV : 2 * I;
     float *h = malloc(sizeof(float) * T * H);
@@ -324,7 +407,11 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
         a_in = h;
     }
     const int64_t a_width = attn_in ? s->attn_in : H;
-    specserve_linear(a_in, T, w[QKV_W], bf, w[QKV_B], QKV, a_width, wide, QKV, 0, nthreads);
+    if (specserve_linear(a_in, T, w[QKV_W], mode, w[QKV_B], QKV, a_width, wide, QKV, 0,
+                         nthreads)) {
+        free(h); free(wide); free(act);
+        return -1;
+    }
     for (int64_t t = 0; t < T; t++) {
         float *q = wide + t * QKV, *k = q + NH * D, *v = k + NKV * D;
         if (w[Q_NORM]) {
@@ -387,10 +474,14 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
         free(p);
     }
     free(run);
+    failed = failed || specserve_linear(attn, T, w[O_W], mode, NULL, H, NH * D, x, H, 1,
+                                        nthreads);
     if (!failed) {
-        specserve_linear(attn, T, w[O_W], bf, NULL, H, NH * D, x, H, 1, nthreads);
         rms_norm(x, w[POST_NORM], s->eps, T, H, H, H, h);
-        specserve_linear(h, T, w[GATE_UP_W], bf, NULL, 2 * I, H, wide, 2 * I, 0, nthreads);
+        failed = specserve_linear(h, T, w[GATE_UP_W], mode, NULL, 2 * I, H, wide, 2 * I, 0,
+                                  nthreads);
+    }
+    if (!failed) {
         for (int64_t t = 0; t < T; t++) {          /* act = silu(gate) * up */
             const float *gate = wide + t * 2 * I, *up = gate + I;
             float *a = act + t * I;
@@ -398,7 +489,7 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
             exp_array(a, a, I);
             for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.f + a[i]) * up[i];
         }
-        specserve_linear(act, T, w[DOWN_W], bf, NULL, H, I, x, H, 1, nthreads);
+        failed = specserve_linear(act, T, w[DOWN_W], mode, NULL, H, I, x, H, 1, nthreads);
     }
     free(h); free(wide); free(act);
     return failed ? -1 : 0;
@@ -417,14 +508,15 @@ static int64_t argmax(const float *x, int64_t n) {
 /* The greedy next token of each of B rows x [B, H]: the first largest logit of
  * lm_head(final_norm(x)) (lm_head(x) when final_norm is NULL) over `vocab` ids, plus d2t[id]
  * when d2t is given, into out[B]; with prob, also its probability under the softmax of those
- * logits into prob[B].
+ * logits into prob[B]. Returns 0, or -1 when out of memory.
  * Scratch: normed [B, H], logits [B, vocab]. */
-static void greedy_rows(const float *x, int64_t B, int64_t H, const float *final_norm, float eps,
-                        const void *lm_head, int lm_bf16, int64_t vocab, const int64_t *d2t,
-                        float *normed, float *logits, int64_t *out, float *prob, int nthreads) {
+static int greedy_rows(const float *x, int64_t B, int64_t H, const float *final_norm, float eps,
+                       const void *lm_head, int lm_mode, int64_t vocab, const int64_t *d2t,
+                       float *normed, float *logits, int64_t *out, float *prob, int nthreads) {
     if (final_norm) rms_norm(x, final_norm, eps, B, H, H, H, normed);
-    specserve_linear(final_norm ? normed : x, B, lm_head, lm_bf16, NULL, vocab, H, logits, vocab,
-                     0, nthreads);
+    if (specserve_linear(final_norm ? normed : x, B, lm_head, lm_mode, NULL, vocab, H, logits,
+                         vocab, 0, nthreads))
+        return -1;
     for (int64_t b = 0; b < B; b++) {
         float *row = logits + b * vocab;
         const int64_t id = argmax(row, vocab);
@@ -438,6 +530,7 @@ static void greedy_rows(const float *x, int64_t B, int64_t H, const float *final
             prob[b] = (float)(1.0 / sum);
         }
     }
+    return 0;
 }
 
 /* Greedy chains with a confidence threshold: a request whose drafter gave its j-th draft
@@ -493,7 +586,7 @@ static void row_inputs(const int64_t *rows, int64_t m, const int64_t *slots, con
 static int head_rows(const Shape *ls, int64_t m, const int64_t *tok, float *x,
                      const int64_t *slot, const int64_t *pos, const float *rot,
                      const float *embed, const float *e_norm, const float *h_norm,
-                     const void *fc, int fc_bf16, const float *fc_bias, const void *const *w,
+                     const void *fc, int fc_mode, const float *fc_bias, const void *const *w,
                      float *k_cache, float *v_cache, float *cat, int nthreads) {
     const int64_t H = ls->hidden;
     for (int64_t k = 0; k < m; k++) {
@@ -503,7 +596,8 @@ static int head_rows(const Shape *ls, int64_t m, const int64_t *tok, float *x,
         if (h_norm) rms_norm(x + k * H, h_norm, ls->eps, 1, H, H, H, h);
         else memcpy(h, x + k * H, H * sizeof(float));
     }
-    if (fc) specserve_linear(cat, m, fc, fc_bf16, fc_bias, H, 2 * H, x, H, 0, nthreads);
+    if (fc && specserve_linear(cat, m, fc, fc_mode, fc_bias, H, 2 * H, x, H, 0, nthreads))
+        return -1;
     return specserve_layer(ls, m, x, fc ? NULL : cat, slot, pos, w, k_cache, v_cache, rot,
                            rot + ls->head_dim, NULL, 0, nthreads);
 }
@@ -520,8 +614,8 @@ int specserve_head_chain(const Shape *s, int64_t T, const int64_t *in_tok, float
                          int64_t B, int64_t n, float *state,
                          const int64_t *slots, const int64_t *pos0, int64_t *budget,
                          float threshold, const float *embed, const float *e_norm,
-                         const float *h_norm, const void *fc, int fc_bf16, const float *fc_bias,
-                         const float *final_norm, const void *lm_head, int lm_bf16,
+                         const float *h_norm, const void *fc, int fc_mode, const float *fc_bias,
+                         const float *final_norm, const void *lm_head, int lm_mode,
                          int64_t vocab, const int64_t *d2t, const float *cos_sin,
                          const void *const *w, float *k_cache, float *v_cache, int64_t *tokens,
                          int nthreads) {
@@ -538,20 +632,21 @@ int specserve_head_chain(const Shape *s, int64_t T, const int64_t *in_tok, float
         for (int64_t t = 0; t < T; t++)
             memcpy(rot + t * 2 * D, cos_sin + in_pos[t] * 2 * D, 2 * D * sizeof(float));
         rc = head_rows(&ls, T, in_tok, in_h, in_slot, in_pos, rot, embed, e_norm, h_norm, fc,
-                       fc_bf16, fc_bias, w, k_cache, v_cache, cat, nthreads);
+                       fc_mode, fc_bias, w, k_cache, v_cache, cat, nthreads);
         for (int64_t b = 0; rc == 0 && b < B; b++)
             memcpy(state + b * H, in_h + last[b] * H, H * sizeof(float));
     }
     for (int64_t b = 0; b < B; b++) rows[b] = b;
     m = rc == 0 ? keep_rows(rows, m, budget, 0, state, H, NULL) : 0;
     for (int64_t j = 0; rc == 0 && m > 0; j++) {
-        greedy_rows(state, m, H, final_norm, s->eps, lm_head, lm_bf16, vocab, d2t, normed,
-                    logits, tok, prob, nthreads);
+        if ((rc = greedy_rows(state, m, H, final_norm, s->eps, lm_head, lm_mode, vocab, d2t,
+                              normed, logits, tok, prob, nthreads)))
+            break;
         for (int64_t k = 0; k < m; k++) tokens[rows[k] * n + j] = tok[k];
         stop_unsure(rows, m, prob, threshold, j, budget);
         if ((m = keep_rows(rows, m, budget, j + 1, state, H, tok)) == 0) break;
         row_inputs(rows, m, slots, pos0, j, cos_sin, D, slot, pos, rot);
-        rc = head_rows(&ls, m, tok, state, slot, pos, rot, embed, e_norm, h_norm, fc, fc_bf16,
+        rc = head_rows(&ls, m, tok, state, slot, pos, rot, embed, e_norm, h_norm, fc, fc_mode,
                        fc_bias, w, k_cache, v_cache, cat, nthreads);
     }
     free(normed); free(logits); free(cat); free(rot); free(prob); free(ints);
@@ -565,7 +660,7 @@ int specserve_head_chain(const Shape *s, int64_t T, const int64_t *in_tok, float
 int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const int64_t *slots,
                           const int64_t *pos0, int64_t *budget, float threshold,
                           const float *embed, const float *final_norm, const void *lm_head,
-                          int lm_bf16, int64_t vocab, const float *cos_sin,
+                          int lm_mode, int64_t vocab, const float *cos_sin,
                           const void *const *const *w,
                           float *const *k_cache, float *const *v_cache, int64_t *tokens,
                           int nthreads) {
@@ -589,9 +684,10 @@ int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const
         for (int64_t l = 0; rc == 0 && l < L; l++)
             rc = specserve_layer(&ls[l], m, x, NULL, slot, pos, w[l], k_cache[l], v_cache[l],
                                  rot, rot + D, NULL, 0, nthreads);
+        if (rc == 0)
+            rc = greedy_rows(x, m, H, final_norm, s[0].eps, lm_head, lm_mode, vocab, NULL,
+                             normed, logits, tok, prob, nthreads);
         if (rc == 0) {
-            greedy_rows(x, m, H, final_norm, s[0].eps, lm_head, lm_bf16, vocab, NULL, normed,
-                        logits, tok, prob, nthreads);
             for (int64_t k = 0; k < m; k++) tokens[rows[k] * n + j] = tok[k];
             stop_unsure(rows, m, prob, threshold, j, budget);
         }

@@ -1,4 +1,5 @@
-"""The compiled few-row CPU forward (`cpu_kernel.c`) for float32 Llama-family models.
+"""The compiled few-row CPU forward (`cpu_kernel.c`) for Llama-family models held in float32
+(a bfloat16 model is held in float32 with its matrix products taking bfloat16 inputs).
 
 Eager PyTorch spends a batch-1 decode step of a small model mostly outside the weights: some
 twenty kernel launches per layer, and one-row matrix products that read the weights at well
@@ -42,7 +43,7 @@ _I64 = ctypes.c_int64
 
 class _Shape(ctypes.Structure):
     _fields_ = [(n, _I64) for n in ("hidden", "num_heads", "num_kv_heads", "head_dim",
-                                    "intermediate", "attn_in", "max_len", "bf16",
+                                    "intermediate", "attn_in", "max_len", "mode",
                                     "rot_stride")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
@@ -86,7 +87,7 @@ def load_library() -> ctypes.CDLL | None:
         return None
     lib.specserve_linear.argtypes = [_P, _I64, _P, ctypes.c_int, _P, _I64, _I64, _P, _I64,
                                      ctypes.c_int, ctypes.c_int]
-    lib.specserve_linear.restype = None
+    lib.specserve_linear.restype = ctypes.c_int
     lib.specserve_layer.argtypes = [ctypes.POINTER(_Shape), _I64, _P, _P, _P, _P, _P, _P, _P,
                                     _P, _P, _P, _I64, ctypes.c_int]
     lib.specserve_layer.restype = ctypes.c_int
@@ -105,20 +106,35 @@ def load_library() -> ctypes.CDLL | None:
     return lib
 
 
-def pack_weight(weight: torch.Tensor, block: int) -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False) -> torch.Tensor:
     """float32 [out, in] -> the kernel's layout [ceil(out / (4 block)) * 4, in, block]: blocks
     of `block` output columns (the kernel's vector width, `lib.specserve_block()`), each
     block's inputs contiguous; the padding columns are zero and never stored. In bfloat16 when
     every weight is a bfloat16 value (a checkpoint stored in bfloat16, like the bundled zoo):
-    the products are the same and the kernel streams half the bytes."""
+    the products are the same and the kernel streams half the bytes.
+
+    With `pairs` (bfloat16 weights that take bfloat16 inputs: the weight must hold bfloat16
+    values), bfloat16 [.., ceil(in / 2), block, 2]: inputs 2i and 2i + 1 side by side."""
     out, inp = weight.shape
     w = weight.detach()
     if out % (4 * block):
         w = torch.cat([w, w.new_zeros(-out % (4 * block), inp)])
     as_bf16 = w.to(torch.bfloat16)
-    if torch.equal(as_bf16.float(), w):
+    exact = torch.equal(as_bf16.float(), w)
+    if pairs:
+        if not exact:
+            raise ValueError("pack_weight: pairs=True needs weights that bfloat16 holds exactly")
+        w = torch.cat([as_bf16, as_bf16.new_zeros(len(w), 1)], 1) if inp % 2 else as_bf16
+        return w.view(-1, block, (inp + 1) // 2, 2).transpose(1, 2).contiguous()
+    if exact:
         w = as_bf16
     return w.view(-1, block, inp).transpose(1, 2).contiguous()
+
+
+def weight_mode(packed: torch.Tensor) -> int:
+    """The C code's mode of a `pack_weight` result: 0 float32, 1 bfloat16 (float32 products),
+    2 bfloat16 pairs (bfloat16 inputs)."""
+    return 2 if packed.dim() == 4 else int(packed.dtype == torch.bfloat16)
 
 
 def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
@@ -129,9 +145,10 @@ def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
     x = x.contiguous()
     T, inp = x.shape
     y = x.new_empty(T, out_features)
-    lib.specserve_linear(x.data_ptr(), T, packed.data_ptr(), packed.dtype == torch.bfloat16,
-                         None if bias is None else bias.data_ptr(), out_features, inp,
-                         y.data_ptr(), out_features, 0, torch.get_num_threads())
+    if lib.specserve_linear(x.data_ptr(), T, packed.data_ptr(), weight_mode(packed),
+                            None if bias is None else bias.data_ptr(), out_features, inp,
+                            y.data_ptr(), out_features, 0, torch.get_num_threads()):
+        raise MemoryError("linear_rows: could not allocate the step's scratch memory")
     return y
 
 
@@ -164,19 +181,19 @@ class CpuLayer:
         self._keep = tensors            # the addresses below stay valid while these live
         self.weights = (_P * len(tensors))(*(None if t is None else t.data_ptr()
                                              for t in tensors))
-        bf16 = at.qkv_proj.kernel_weight.dtype == torch.bfloat16
         self.shape = _Shape(at.o_proj.out_features, at.num_heads, at.num_kv_heads, at.head_dim,
-                            mlp.intermediate, at.qkv_proj.in_features, 0, bf16, 0,
+                            mlp.intermediate, at.qkv_proj.in_features, 0,
+                            weight_mode(at.qkv_proj.kernel_weight), 0,
                             layer.post_attention_layernorm.eps, at.scale)
 
     @staticmethod
     def supports(layer: torch.nn.Module) -> bool:
         """float32 on the CPU with every linear packed for the kernel (a DecodeLinear with a
-        kernel weight), all four packed in the same dtype, head_dim <= 1024."""
+        kernel weight), all four packed the same way, head_dim <= 1024."""
         at, mlp = layer.self_attn, layer.mlp
         packed = [getattr(lin, "kernel_weight", None)
                   for lin in (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        return (all(p is not None for p in packed) and len({p.dtype for p in packed}) == 1
+        return (all(p is not None for p in packed) and len({weight_mode(p) for p in packed}) == 1
                 and at.head_dim <= 1024
                 and all(p.dtype == torch.float32 and p.device.type == "cpu"
                         and p.is_contiguous() for p in layer.parameters()))
@@ -266,8 +283,8 @@ class HeadChain(_Chain):
         self.layer, self.vocab = layer, vocab
         self.shape = _Shape.from_buffer_copy(layer.shape)
         self.shape.max_len = cache[0].shape[2]
-        self.fc_bf16 = fc is not None and fc.dtype == torch.bfloat16
-        self.lm_bf16 = lm_head.dtype == torch.bfloat16
+        self.fc_mode = 0 if fc is None else weight_mode(fc)
+        self.lm_mode = weight_mode(lm_head)
 
     def __call__(self, state: torch.Tensor, positions: list[int], slots: list[int],
                  budgets: list[int], threshold: float = 0.0) -> list[list[int]]:
@@ -303,7 +320,7 @@ class HeadChain(_Chain):
         return self._call(self.lib.specserve_head_chain,
                           (ctypes.byref(self.shape), *ingest, len(slots), n, state.data_ptr()),
                           slots, positions, budgets, threshold,
-                          (emb, e_n, h_n, fc, self.fc_bf16, fc_b, fin_n, lm, self.lm_bf16,
+                          (emb, e_n, h_n, fc, self.fc_mode, fc_b, fin_n, lm, self.lm_mode,
                            self.vocab, d2t, cos_sin, self.layer.weights, k, v),
                           torch.empty(len(slots), n, dtype=torch.long))
 
@@ -323,7 +340,7 @@ class LlamaChain(_Chain):
         self.weights = (_P * len(layers))(*(ctypes.cast(x.weights, _P) for x in layers))
         self.k = (_P * len(layers))(*(k.data_ptr() for k, _ in caches))
         self.v = (_P * len(layers))(*(v.data_ptr() for _, v in caches))
-        self.lm_bf16 = lm_head.dtype == torch.bfloat16
+        self.lm_mode = weight_mode(lm_head)
 
     def __call__(self, first: list[int], positions: list[int], slots: list[int],
                  budgets: list[int], threshold: float = 0.0) -> list[list[int]]:
@@ -338,7 +355,7 @@ class LlamaChain(_Chain):
         return self._call(self.lib.specserve_llama_chain,
                           (self.shapes, len(self.layers), len(slots), n), slots, positions,
                           budgets, threshold,
-                          (emb, fin_n, lm, self.lm_bf16, self.vocab, cos_sin, self.weights,
+                          (emb, fin_n, lm, self.lm_mode, self.vocab, cos_sin, self.weights,
                            self.k, self.v), tokens)
 
 

@@ -218,14 +218,14 @@ class DecodeLinear(nn.Module):
 
     PACK_ROWS = 16
 
-    def __init__(self, linear: nn.Linear, lib=None) -> None:
+    def __init__(self, linear: nn.Linear, lib=None, bf16_inputs: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight                  # same Parameter: ties stay tied
         self.bias = linear.bias
         self.lib = lib
-        self.kernel_weight = (None if lib is None
-                              else pack_weight(linear.weight, lib.specserve_block()))
+        self.kernel_weight = (None if lib is None else pack_weight(
+            linear.weight, lib.specserve_block(), pairs=bf16_inputs))
         # An opaque oneDNN tensor: a plain attribute, since module.to() cannot move it. The
         # layout is chosen for PACK_ROWS-row inputs; any hint > 1 gives the fast few-row
         # kernels (a plain to_mkldnn() copy runs 5 rows at 2x the cost of one).
@@ -248,20 +248,29 @@ class DecodeLinear(nn.Module):
 
 def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
     """Swap every nn.Linear of a float32 or bfloat16 CPU inference model for a DecodeLinear
-    (in place). Other cases keep nn.Linear: CUDA has cuBLAS; float16, and bfloat16 on a CPU
-    without native bfloat16 instructions, have no fast oneDNN kernel.
+    (in place). Other cases keep nn.Linear: CUDA has cuBLAS; float16, and bfloat16 without the
+    kernel on a CPU without native bfloat16 instructions, have no fast oneDNN kernel.
 
-    With `cpu_kernel` and float32, small inputs of linears and RMSNorms go through the compiled
-    CPU kernel, and every decoder layer (a module with a `cpu_layer` slot) gets a CpuLayer for
-    its few-row cached steps; without a C compiler that is skipped with a warning."""
+    With `cpu_kernel`, small inputs of linears and RMSNorms go through the compiled CPU
+    kernel, and every decoder layer (a module with a `cpu_layer` slot) gets a CpuLayer for its
+    few-row cached steps; without a C compiler that is skipped with a warning. A bfloat16
+    model becomes float32 then (its values unchanged) and its few-row matrix products take
+    their inputs in bfloat16 (AVX512-BF16 dot products where the CPU has them): norms,
+    attention, the KV cache and the sums stay float32."""
     w = next(model.parameters())
-    if w.device.type != "cpu" or not _onednn_linear_available(w.dtype):
+    if w.device.type != "cpu":
         return model
-    lib = load_library() if cpu_kernel and w.dtype == torch.float32 else None
+    lib = (load_library() if cpu_kernel and w.dtype in (torch.float32, torch.bfloat16)
+           else None)
+    bf16_inputs = lib is not None and w.dtype == torch.bfloat16
+    if bf16_inputs:
+        model.float()
+    elif not _onednn_linear_available(w.dtype):
+        return model
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, DecodeLinear(child, lib))
+                setattr(module, name, DecodeLinear(child, lib, bf16_inputs))
     if lib is not None:
         for module in model.modules():
             if hasattr(module, "cpu_layer") and CpuLayer.supports(module):

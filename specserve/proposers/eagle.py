@@ -46,7 +46,7 @@ class HeadProposer:
         self.head.rotary = Rotary(a.head_dim, max_len, a.rope_theta, a.rope_scaling).to(
             engine.device)
         self.cache = KVCache(1, engine.cache.num_slots, a.num_key_value_heads, max_len,
-                             a.head_dim, engine.dtype, engine.device)
+                             a.head_dim, next(self.head.parameters()).dtype, engine.device)
         self.caches = [self.cache]
         self.device = engine.device
         self.threshold = config.draft_confidence_threshold

@@ -37,6 +37,30 @@ def test_linear_rows_matches_linear_for_any_shape_and_row_count():
                                                F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
 
 
+def test_linear_rows_with_bfloat16_inputs_sums_their_exact_products():
+    """Pair packing (bfloat16 models): x rounded to bfloat16 (nearest even), every product
+    exact, summed in float32; a row's bits do not depend on the other rows."""
+    g = torch.Generator().manual_seed(5)
+    lib = load_library()
+    block = lib.specserve_block()
+    for out, inp in ((40, 24), (64, 100), (130, 33), (384, 96)):       # 33: an odd width
+        w = torch.randn(out, inp, generator=g).to(torch.bfloat16).float()
+        b = torch.randn(out, generator=g)
+        packed = pack_weight(w, block, pairs=True)
+        assert packed.dtype == torch.bfloat16
+        assert packed.shape == (-(-out // (4 * block)) * 4, (inp + 1) // 2, block, 2)
+        for rows in (1, 3, 5, 9, 16, 17, MAX_ROWS + 3):
+            x = torch.randn(rows, inp, generator=g) * 3
+            for bias in (None, b):
+                y = linear_rows(lib, x, packed, bias, out)
+                ref = F.linear(x.to(torch.bfloat16).double(), w.double(),
+                               None if bias is None else bias.double())
+                torch.testing.assert_close(y, ref.float(), atol=1e-4, rtol=1e-4)
+                assert torch.equal(y[-1:], linear_rows(lib, x[-1:], packed, bias, out))
+    with pytest.raises(ValueError, match="bfloat16 holds exactly"):
+        pack_weight(torch.full((8, 4), 1 + 2 ** -12), block, pairs=True)
+
+
 def _uses_kernel(model) -> bool:
     return all(layer.cpu_layer is not None for layer in model.layers)
 
@@ -219,7 +243,8 @@ def test_bfloat16_valued_weights_stream_as_bfloat16_with_the_same_results(llama_
         if kernel:
             layer = model.layers[0]
             assert layer.mlp.down_proj.kernel_weight.dtype == torch.bfloat16
-            assert layer.cpu_layer.shape.bf16 and model.lm_head.kernel_weight.dtype == torch.bfloat16
+            assert layer.cpu_layer.shape.mode == 1
+            assert model.lm_head.kernel_weight.dtype == torch.bfloat16
         else:
             for layer in model.layers:
                 layer.cpu_layer = None
@@ -227,3 +252,48 @@ def test_bfloat16_valued_weights_stream_as_bfloat16_with_the_same_results(llama_
         with torch.inference_mode():
             outs.append(model.compute_logits(_step(model, cache, [ids[10:]], [10], [1])))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_models_take_bfloat16_matmul_inputs_and_stay_lossless(llama_dir, draft_dir,
+                                                                        tmp_path):
+    """dtype bfloat16 on the CPU: the target, a draft model and heads run in the kernel with
+    bfloat16 weights and matmul inputs (float32 otherwise); greedy output with speculation
+    equals output without, alone and beside sampled requests, and the logits stay close to
+    float32's."""
+    from specserve import LLM, SamplingParams, TokensPrompt
+    from tests.proposers.test_heads import eagle3_ckpt, eagle_ckpt
+    g = torch.Generator().manual_seed(6)
+    ps = [TokensPrompt(prompt_token_ids=torch.randint(0, 96, (n,), generator=g).tolist())
+          for n in (4, 11, 25, 7, 30, 16)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = [greedy, SamplingParams(temperature=0.8, seed=1, max_tokens=10)] * 3
+    base = LLM(str(llama_dir), device="cpu", dtype="bfloat16")
+    ref = [o.outputs[0].token_ids for o in base.generate(ps, greedy, use_tqdm=False)]
+    model = base.engine.model
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(layer.cpu_layer.shape.mode == 2 for layer in model.layers)
+    assert model.lm_head.kernel_weight.dim() == 4
+    specs = [{"method": "draft_model", "model": str(draft_dir)},
+             {"method": "eagle3", "model": str(eagle3_ckpt(tmp_path / "e3"))},
+             {"method": "eagle", "model": str(eagle_ckpt(tmp_path / "e1"))}]
+    for spec in specs:
+        llm = LLM(str(llama_dir), device="cpu", dtype="bfloat16",
+                  speculative_config=spec | {"num_speculative_tokens": 3})
+        drafter = getattr(llm.engine.proposer, "model", None) or llm.engine.proposer.head
+        assert all(layer.cpu_layer.shape.mode == 2 for layer in drafter.layers), spec
+        alone = [llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids
+                 for p in ps[:2]]
+        mixed = llm.generate(ps, params, use_tqdm=False)
+        assert alone == ref[:2], spec
+        assert [o.outputs[0].token_ids for o in mixed[::2]] == ref[::2], spec
+        assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+    ids = ps[2]["prompt_token_ids"]
+    f32 = use_decode_linears(load_model(llama_dir, torch.float32, torch.device("cpu")))
+    logits = []
+    for m in (model, f32):
+        a = m.args
+        cache = KVCache(a.num_hidden_layers, 1, a.num_key_value_heads, 32, a.head_dim,
+                        torch.float32, torch.device("cpu"))
+        with torch.inference_mode():
+            logits.append(m.compute_logits(_step(m, cache, [ids], [0], [0])))
+    torch.testing.assert_close(logits[0], logits[1], atol=0.05, rtol=0.05)
