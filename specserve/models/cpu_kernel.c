@@ -115,13 +115,16 @@ static inline vf load_w(const void *p, int64_t k, int bf16) {
  * consecutive inputs interleaved in pairs: on CPUs with AVX512-BF16 one instruction takes 32
  * products, and no weight needs widening first. */
 enum { F32, BF16, PAIRS };
+#define GROUP 4                 /* blocks a packed weight keeps input by input together */
 
-/* Weights are packed as [ceil(out / (4 VL)) * 4][in][VL] (F32, BF16) or [.. * 4][in / 2][VL][2]
- * (PAIRS, `in` rounded up to even): blocks of VL output columns (specserve_block()), each
- * block's inputs contiguous. A tile of nb blocks times tb rows keeps its tb * nb accumulators
- * in registers while the weights stream past once; each output is summed over i in order, the
- * same for every tb and nb. For PAIRS, x holds the rows as bfloat16 pairs (uint32, `in` of
- * them per row: here `in` counts pairs). */
+/* Weights are packed as [ceil(out / (GROUP VL))][in][GROUP][VL] (F32, BF16) or
+ * [..][in / 2][GROUP][VL][2] (PAIRS, `in` rounded up to even): groups of GROUP blocks of VL
+ * output columns (specserve_block()), input by input, so that a tile of a whole group reads
+ * one contiguous stream (a one-row step ran 20% faster than with each block's inputs
+ * contiguous, four streams). A tile of nb blocks (wp: its first block) times tb rows keeps its
+ * tb * nb accumulators in registers while the weights stream past once; each output is summed
+ * over i in order, the same for every tb and nb. For PAIRS, x holds the rows as bfloat16 pairs
+ * (uint32, `in` of them per row: here `in` counts pairs). */
 static inline __attribute__((always_inline)) void tile(const void *wp, int mode, const void *xp,
                                                        int64_t in, int tb, int nb, float *y) {
 #if defined(__AVX512BF16__) && VL == 16
@@ -133,7 +136,7 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
         for (int64_t i = 0; i < in; i++) {
             __m512bh w[4];
             for (int b = 0; b < nb; b++)
-                w[b] = (__m512bh)_mm512_loadu_si512((const uint32_t *)wp + (b * in + i) * VL);
+                w[b] = (__m512bh)_mm512_loadu_si512((const uint32_t *)wp + (i * GROUP + b) * VL);
             for (int t = 0; t < tb; t++) {
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[t * in + i]);
                 for (int b = 0; b < nb; b++) acc[t][b] = _mm512_dpbf16_ps(acc[t][b], w[b], xv);
@@ -153,7 +156,7 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
             vf lo[4], hi[4];
             for (int b = 0; b < nb; b++) {
                 vi w;
-                memcpy(&w, (const uint32_t *)wp + (b * in + i) * VL, sizeof w);
+                memcpy(&w, (const uint32_t *)wp + (i * GROUP + b) * VL, sizeof w);
                 lo[b] = (vf)(w << 16);
                 hi[b] = (vf)(w & (int32_t)0xffff0000u);
             }
@@ -172,7 +175,7 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
         const float *x = xp;
         for (int64_t i = 0; i < in; i++) {
             vf w[4];
-            for (int b = 0; b < nb; b++) w[b] = load_w(wp, (b * in + i) * VL, mode == BF16);
+            for (int b = 0; b < nb; b++) w[b] = load_w(wp, (i * GROUP + b) * VL, mode == BF16);
             for (int t = 0; t < tb; t++) {
                 float xv = x[t * in + i];
                 for (int b = 0; b < nb; b++) acc[t][b] += w[b] * xv;
@@ -202,12 +205,13 @@ static void to_pairs(const float *x, int64_t T, int64_t in, uint32_t *out) {
 
 int specserve_block(void) { return VL; }
 
-/* blocks per tile for `rows` rows: as wide as the accumulator budget allows */
+/* blocks per tile for `rows` rows: as wide as the accumulator budget allows (at most GROUP) */
 #define NB_FOR(rows) ((rows) * 4 <= ACC ? 4 : (rows) * 2 <= ACC ? 2 : 1)
 #define TILE(TB, MODE)                                                                      \
     case TB:                                                                                \
-        tile((const char *)wp + c * NB_FOR(TB) * in_w * VL * esize, MODE, xt, in_x, TB,     \
-             NB_FOR(TB), buf);                                                              \
+        tile((const char *)wp + (c * NB_FOR(TB) / GROUP * in_x * GROUP                      \
+                                 + c * NB_FOR(TB) % GROUP) * VL * unit,                     \
+             MODE, xt, in_x, TB, NB_FOR(TB), buf);                                          \
         break;
 #define TILES(MODE)                                                                         \
     switch (rows) {                                                                         \
@@ -222,8 +226,8 @@ int specserve_block(void) { return VL; }
 int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const float *bias,
                      int64_t out, int64_t in, float *y, int64_t ldy, int accumulate,
                      int nthreads) {
-    const int64_t esize = mode == F32 ? 4 : 2, in_w = mode == PAIRS ? in + in % 2 : in;
-    const int64_t in_x = mode == PAIRS ? in_w / 2 : in;      /* x values per row in a tile */
+    /* a packed row: in_x units (floats, bfloat16 values or bfloat16 pairs) of `unit` bytes */
+    const int64_t in_x = mode == PAIRS ? (in + 1) / 2 : in, unit = mode == BF16 ? 2 : 4;
     uint32_t *pairs = NULL;
     if (mode == PAIRS && !(pairs = malloc(sizeof(uint32_t) * CHUNK * in_x))) return -1;
     for (int64_t t0 = 0; t0 < T; t0 += CHUNK) {

@@ -37,6 +37,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # which reuses weights across many rows (timed side by side on the bundled target, a whole
 # step cost about the same both ways near 64 rows, and 1.5x less in the kernel at 40).
 MAX_ROWS = 48
+GROUP = 4                # blocks of a packed weight kept input by input (GROUP in C)
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
@@ -107,34 +108,35 @@ def load_library() -> ctypes.CDLL | None:
 
 
 def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False) -> torch.Tensor:
-    """float32 [out, in] -> the kernel's layout [ceil(out / (4 block)) * 4, in, block]: blocks
-    of `block` output columns (the kernel's vector width, `lib.specserve_block()`), each
-    block's inputs contiguous; the padding columns are zero and never stored. In bfloat16 when
-    every weight is a bfloat16 value (a checkpoint stored in bfloat16, like the bundled zoo):
-    the products are the same and the kernel streams half the bytes.
+    """float32 [out, in] -> the kernel's layout [ceil(out / (GROUP block)), in, GROUP, block]:
+    groups of GROUP blocks of `block` output columns (the kernel's vector width,
+    `lib.specserve_block()`), input by input, so that the weights a tile multiplies stream as
+    one run; the padding columns are zero and never stored. In bfloat16 when every weight is a
+    bfloat16 value (a checkpoint stored in bfloat16, like the bundled zoo): the products are
+    the same and the kernel streams half the bytes.
 
     With `pairs` (bfloat16 weights that take bfloat16 inputs: the weight must hold bfloat16
-    values), bfloat16 [.., ceil(in / 2), block, 2]: inputs 2i and 2i + 1 side by side."""
+    values), bfloat16 [.., ceil(in / 2), GROUP, block, 2]: inputs 2i and 2i + 1 side by side."""
     out, inp = weight.shape
     w = weight.detach()
-    if out % (4 * block):
-        w = torch.cat([w, w.new_zeros(-out % (4 * block), inp)])
+    if out % (GROUP * block):
+        w = torch.cat([w, w.new_zeros(-out % (GROUP * block), inp)])
     as_bf16 = w.to(torch.bfloat16)
     exact = torch.equal(as_bf16.float(), w)
     if pairs:
         if not exact:
             raise ValueError("pack_weight: pairs=True needs weights that bfloat16 holds exactly")
         w = torch.cat([as_bf16, as_bf16.new_zeros(len(w), 1)], 1) if inp % 2 else as_bf16
-        return w.view(-1, block, (inp + 1) // 2, 2).transpose(1, 2).contiguous()
+        return w.view(-1, GROUP, block, (inp + 1) // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
     if exact:
         w = as_bf16
-    return w.view(-1, block, inp).transpose(1, 2).contiguous()
+    return w.view(-1, GROUP, block, inp).permute(0, 3, 1, 2).contiguous()
 
 
 def weight_mode(packed: torch.Tensor) -> int:
     """The C code's mode of a `pack_weight` result: 0 float32, 1 bfloat16 (float32 products),
     2 bfloat16 pairs (bfloat16 inputs)."""
-    return 2 if packed.dim() == 4 else int(packed.dtype == torch.bfloat16)
+    return 2 if packed.dim() == 5 else int(packed.dtype == torch.bfloat16)
 
 
 def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,

@@ -28,7 +28,7 @@ def test_linear_rows_matches_linear_for_any_shape_and_row_count():
                 w = w.to(torch.bfloat16).float()
             block = lib.specserve_block()
             packed = pack_weight(w, block)
-            assert packed.shape == (-(-out // (4 * block)) * 4, inp, block)
+            assert packed.shape == (-(-out // (4 * block)), inp, 4, block)
             assert (packed.dtype == torch.bfloat16) == bf16_valued
             for rows in (1, 3, 4, 5, 8, 9, 16, 17, MAX_ROWS, MAX_ROWS + 3):
                 x = torch.randn(rows, inp, generator=g)
@@ -48,7 +48,7 @@ def test_linear_rows_with_bfloat16_inputs_sums_their_exact_products():
         b = torch.randn(out, generator=g)
         packed = pack_weight(w, block, pairs=True)
         assert packed.dtype == torch.bfloat16
-        assert packed.shape == (-(-out // (4 * block)) * 4, (inp + 1) // 2, block, 2)
+        assert packed.shape == (-(-out // (4 * block)), (inp + 1) // 2, 4, block, 2)
         for rows in (1, 3, 5, 9, 16, 17, MAX_ROWS + 3):
             x = torch.randn(rows, inp, generator=g) * 3
             for bias in (None, b):
@@ -272,7 +272,7 @@ def test_bfloat16_models_take_bfloat16_matmul_inputs_and_stay_lossless(llama_dir
     model = base.engine.model
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert all(layer.cpu_layer.shape.mode == 2 for layer in model.layers)
-    assert model.lm_head.kernel_weight.dim() == 4
+    assert model.lm_head.kernel_weight.dim() == 5
     specs = [{"method": "draft_model", "model": str(draft_dir)},
              {"method": "eagle3", "model": str(eagle3_ckpt(tmp_path / "e3"))},
              {"method": "eagle", "model": str(eagle_ckpt(tmp_path / "e1"))}]
