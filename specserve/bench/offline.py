@@ -319,6 +319,8 @@ def main(argv: list[str]) -> None:
     if a.pytorch_path:
         floor_runners.append(SpecserveRunner("specserve no-spec, PyTorch path", a.target, None,
                                              dtype, cpu_kernel=False))
+    floor_runners += [SpecserveRunner(f"specserve no-spec, {d}", a.target, None, d)
+                      for d in dtypes[1:]]
     decode = {r.name: decode_ms_per_token(r.llm) for r in floor_runners}
     target_model = floor_runners[0].llm.engine.model
     wb, streamed = weight_bytes(target_model), weight_bytes(target_model, streamed=True)
