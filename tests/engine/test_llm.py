@@ -161,3 +161,13 @@ def test_bad_engine_args(llama_dir, kwargs, match):
 def test_unknown_engine_arg(llama_dir):
     with pytest.raises(TypeError, match="unknown engine argument.*'max_batch'"):
         LLM(str(llama_dir), max_batch=3)
+
+
+def test_the_engine_heap_is_out_of_the_collectors_reach(llama_dir):
+    """The models and caches are frozen after start-up: the cyclic collector, which runs
+    during decoding, no longer walks them (vLLM freezes its engine heap the same way)."""
+    import gc
+    llm = LLM(str(llama_dir), device="cpu")
+    walked = {id(o) for o in gc.get_objects()}
+    assert id(llm.engine.model) not in walked and id(llm.engine.cache) not in walked
+    assert id(llm.engine.model.layers[0]) not in walked
