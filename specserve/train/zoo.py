@@ -12,7 +12,7 @@ Stages (each resumes from its checkpoint in `<work>/`):
 5. models/code-target: 150 more unlikelihood steps on 128-token rollouts (`TARGET_UL[1]`);
 6. models/code-draft and models/code-target-{eagle,eagle3,medusa,mlp-speculator,mtp}: the
    stage-1 draft and heads fine-tuned for that target (`retarget`, `RETARGET_*`), EAGLE-3 then
-   once more on more greedy text (`RETARGET_EAGLE3_MORE`).
+   twice more on more greedy text (`RETARGET_EAGLE3_MORE`).
 """
 
 from __future__ import annotations
@@ -99,12 +99,14 @@ RETARGET_HEADS: dict[tuple[str, ...], tuple[int, GeneratedData]] = {
     ("eagle3",): (1000, GREEDY),
     ("medusa", "mlp_speculator", "eagle", "mtp"): (300, GREEDY),
 }
-# Then EAGLE-3 once more, from the retargeted head, at the same learning rate: half its
-# windows from 4096 greedy continuations (every training file's opening, then later lines of
-# them). tau at K=4 (`bench latency`, RESULTS run 36) 2.48 -> 2.54 on completion prompts,
-# 2.58 -> 2.82 on editing prompts.
-RETARGET_EAGLE3_MORE = (600, GeneratedData(num_generated=4096, generated_temperature=0,
-                                           generated_share=0.5))
+# Then EAGLE-3 twice more, each stage from the previous head, at the same learning rate, on
+# more of the target's greedy continuations (every training file's opening, then later lines
+# of them): half its windows from 4096 of them, tau at K=4 (`bench latency`, RESULTS run 36)
+# 2.48 -> 2.54 on completion prompts, 2.58 -> 2.82 on editing prompts; then 60% from 8192, tau
+# (`specserve train`'s evaluation) 2.63 -> 2.75 (RESULTS run 39).
+RETARGET_EAGLE3_MORE: list[tuple[int, GeneratedData]] = [
+    (600, GeneratedData(num_generated=4096, generated_temperature=0, generated_share=0.5)),
+    (1800, GeneratedData(num_generated=8192, generated_temperature=0, generated_share=0.6))]
 
 
 def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
@@ -130,15 +132,17 @@ def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
         if not all(results.values()):
             return False
         _report(results, out, f"retargeted, {steps} steps")
-    steps, gen = RETARGET_EAGLE3_MORE
-    cfg = head_config(work / "more", ("eagle3",), steps, **kw)
-    cfg = dataclasses.replace(cfg, lr=cfg.lr / 2, warmup=20)
     e3 = Path(head_dir(out, "eagle3"))
-    results = train_heads({"eagle3": e3}, cfg, out, gen=gen, inits={"eagle3": e3},
-                          **HEAD_RECIPES[("eagle3",)][1])
-    if not all(results.values()):
-        return False
-    _report(results, out, f"more greedy text, {steps} steps")
+    for stage, (steps, gen) in enumerate(RETARGET_EAGLE3_MORE):
+        # stage 0 keeps the work directory it had as the only stage
+        cfg = head_config(work / ("more" if stage == 0 else f"more{stage + 1}"), ("eagle3",),
+                          steps, **kw)
+        cfg = dataclasses.replace(cfg, lr=cfg.lr / 2, warmup=20)
+        results = train_heads({"eagle3": e3}, cfg, out, gen=gen, inits={"eagle3": e3},
+                              **HEAD_RECIPES[("eagle3",)][1])
+        if not all(results.values()):
+            return False
+        _report(results, out, f"more greedy text, {steps} steps")
     return True
 
 

@@ -404,6 +404,7 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(zoo, "train_heads", heads)
     zoo.build_zoo(str(tmp_path / "models"), str(tmp_path / "work"))
     assert calls == ([s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st]
-                     + [s for s, _ in zoo.RETARGET_HEADS.values()] + [zoo.RETARGET_EAGLE3_MORE[0]])
+                     + [s for s, _ in zoo.RETARGET_HEADS.values()]
+                     + [s for s, _ in zoo.RETARGET_EAGLE3_MORE])
     out = capsys.readouterr().out
     assert "past" in out and "tau 2.00 at K=4" in out
