@@ -102,8 +102,8 @@ RETARGET_HEADS: dict[tuple[str, ...], tuple[int, GeneratedData]] = {
 # Then EAGLE-3 twice more, each stage from the previous head, at the same learning rate, on
 # more of the target's greedy continuations (every training file's opening, then later lines
 # of them): half its windows from 4096 of them, tau at K=4 (`bench latency`, RESULTS run 36)
-# 2.48 -> 2.54 on completion prompts, 2.58 -> 2.82 on editing prompts; then 60% from 8192, tau
-# (`specserve train`'s evaluation) 2.63 -> 2.75 (RESULTS run 39).
+# 2.48 -> 2.54 on completion prompts, 2.58 -> 2.82 on editing prompts; then 60% from 8192,
+# tau (run 39) 2.54 -> 2.68 and 2.82 -> 2.95.
 RETARGET_EAGLE3_MORE: list[tuple[int, GeneratedData]] = [
     (600, GeneratedData(num_generated=4096, generated_temperature=0, generated_share=0.5)),
     (1800, GeneratedData(num_generated=8192, generated_temperature=0, generated_share=0.6))]
