@@ -281,26 +281,98 @@ void specserve_rms_norm(const float *x, const float *weight, float eps, int64_t 
 /* rotate-half rotary in place: x[d] * cos[d] + x[(d + D/2) % D] * signed_sin[d] */
 static void rotary(float *x, const float *cos, const float *ssin, int64_t D) {
     float tmp[1024];
+    const int64_t half = D / 2;
     memcpy(tmp, x, D * sizeof(float));
-    for (int64_t d = 0; d < D; d++) x[d] = tmp[d] * cos[d] + tmp[(d + D / 2) % D] * ssin[d];
+    for (int64_t d = 0; d < half; d++) x[d] = tmp[d] * cos[d] + tmp[d + half] * ssin[d];
+    for (int64_t d = half; d < D; d++) x[d] = tmp[d] * cos[d] + tmp[d - half] * ssin[d];
 }
 
-/* o[d] = scale * sum_j p[j] * v[j * D + d], accumulated in registers when D allows */
-static void weighted_sum(const float *p, const float *v, int64_t L, int64_t D, float scale,
-                         float *o) {
-    if (D % VL == 0 && D <= 16 * VL) {
-        vf acc[16];
-        const int64_t nv = D / VL;
-        for (int64_t c = 0; c < nv; c++) acc[c] = (vf){0};
-        for (int64_t j = 0; j < L; j++)
-            for (int64_t c = 0; c < nv; c++) acc[c] += p[j] * loadv(v + j * D + c * VL);
-        for (int64_t c = 0; c < nv; c++) storev(o + c * VL, acc[c] * scale);
-        return;
+/* Softmax weights of one query's scores x[0..L) in place, returning their sum; with `keep`,
+ * only the keys it marks count and the others weigh exactly 0 (not expv's clamped exp(-87)).
+ * Lanes are combined in a fixed order, so the weights depend on the query's scores alone. */
+static float softmax_weights(float *x, int64_t L, const uint8_t *keep) {
+    float m = -INFINITY, sum = 0.f;
+    int64_t j = 0;
+    if (!keep) {
+        vf mv = (vf){0} - INFINITY;
+        for (; j + VL <= L; j += VL) {
+            const vf a = loadv(x + j);
+            const vi gt = a > mv;
+            mv = (vf)(((vi)a & gt) | ((vi)mv & ~gt));
+        }
+        float b[VL];
+        memcpy(b, &mv, sizeof b);
+        for (int l = 0; l < VL; l++) m = b[l] > m ? b[l] : m;
     }
-    for (int64_t d = 0; d < D; d++) {
-        float r = 0.f;
-        for (int64_t j = 0; j < L; j++) r += p[j] * v[j * D + d];
-        o[d] = r * scale;
+    for (; j < L; j++)
+        if (!keep || keep[j]) m = x[j] > m ? x[j] : m;
+    for (j = 0; j < L; j++) x[j] -= m;
+    exp_array(x, x, L);
+    if (keep)
+        for (j = 0; j < L; j++) x[j] = keep[j] ? x[j] : 0.f;
+    vf s = {0};
+    for (j = 0; j + VL <= L; j += VL) s += loadv(x + j);
+    sum = hsum(s);
+    for (; j < L; j++) sum += x[j];
+    return sum;
+}
+
+/* out[q][d] = sum_{j < L} p[q * ldp + j] * v[j * D + d] for nq queries at once, nv = D / VL:
+ * each value row is loaded once for all of them, and every output lane sums its products in
+ * order of j, as it would for that query alone. */
+static inline __attribute__((always_inline)) void wsum_pass(const float *p, int64_t ldp,
+                                                            int nq, int nv, int64_t L,
+                                                            const float *v, int64_t D,
+                                                            float *const *out) {
+    vf acc[8][8];
+    for (int q = 0; q < nq; q++)
+        for (int c = 0; c < nv; c++) acc[q][c] = (vf){0};
+    for (int64_t j = 0; j < L; j++) {
+        vf vv[8];
+        for (int c = 0; c < nv; c++) vv[c] = loadv(v + j * D + c * VL);
+        for (int q = 0; q < nq; q++) {
+            const float w = p[q * ldp + j];
+            for (int c = 0; c < nv; c++) acc[q][c] += w * vv[c];
+        }
+    }
+    for (int q = 0; q < nq; q++)
+        for (int c = 0; c < nv; c++) storev(out[q] + c * VL, acc[q][c]);
+}
+
+#define WS(NQ, NV) case NQ * 16 + NV: wsum_pass(pr, ldp, NQ, NV, Lc, v, D, out); break;
+#define WS8(NV) WS(1, NV) WS(2, NV) WS(3, NV) WS(4, NV) WS(5, NV) WS(6, NV) WS(7, NV) WS(8, NV)
+
+/* The attention outputs of nq queries over the values v [L, D] of one KV head: query r is head
+ * r % group of row r / group, whose output goes to o + (r / group) * ld + (r % group) * D;
+ * its softmax weights are p + r * ldp, scaled by inv[r], and it sees L = pos[r / group] + 1
+ * keys (pos rises). o_r[d] = inv[r] * sum_j p_r[j] v[j * D + d], summed in order of j. */
+static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group,
+                          const int64_t *pos, const float *v, int64_t D, const float *inv,
+                          float *o, int64_t ld) {
+    const int64_t nv = D % VL == 0 ? D / VL : 0;
+    const int fast = nv == 1 || nv == 2 || nv == 4 || nv == 8;
+    const int64_t per = !fast ? 1 : ACC / nv < 8 ? ACC / nv : 8;
+    for (int64_t r0 = 0; r0 < nq; r0 += per) {
+        const int64_t n = nq - r0 < per ? nq - r0 : per, Lc = pos[r0 / group] + 1;
+        const float *pr = p + r0 * ldp;
+        float *out[8];
+        for (int64_t k = 0; k < n; k++)
+            out[k] = o + (r0 + k) / group * ld + (r0 + k) % group * D;
+        if (fast) {
+            switch (n * 16 + nv) { WS8(1) WS8(2) WS8(4) WS8(8) }
+        } else {
+            for (int64_t d = 0; d < D; d++) {
+                float r = 0.f;
+                for (int64_t j = 0; j < Lc; j++) r += pr[j] * v[j * D + d];
+                out[0][d] = r;
+            }
+        }
+        for (int64_t k = 0; k < n; k++) {     /* the keys this query sees beyond the pass's */
+            const float *pk = pr + k * ldp;
+            for (int64_t j = Lc; j < pos[(r0 + k) / group] + 1; j++)
+                for (int64_t d = 0; d < D; d++) out[k][d] += pk[j] * v[j * D + d];
+            for (int64_t d = 0; d < D; d++) out[k][d] *= inv[r0 + k];
+        }
     }
 }
 
@@ -448,12 +520,14 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
         const int64_t Lmax = positions[t1 - 1] + 1;       /* positions rise within a run */
         const int64_t base = slots[t0] * slot_stride + g * s->max_len * D;
         const float *kc = k_cache + base, *vc = v_cache + base;
-        float *p = malloc(sizeof(float) * (t1 - t0) * group * Lmax);
+        const int64_t nq = (t1 - t0) * group;           /* query r: head a = r % group of */
+        float *p = malloc(sizeof(float) * nq * (Lmax + 1));   /* row t0 + r / group */
         if (!p) {
             #pragma omp atomic write
             failed = 1;
             continue;
         }
+        float *inv = p + nq * Lmax;
         for (int64_t j0 = 0; j0 < Lmax; j0 += 16)
             for (int64_t t = t0; t < t1; t++) {
                 const int64_t L = positions[t] + 1, n = L - j0 < 16 ? L - j0 : 16;
@@ -461,20 +535,13 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
                     scores(wide + t * QKV + (g * group + a) * D, kc + j0 * D, n, D, s->scale,
                            p + ((t - t0) * group + a) * Lmax + j0);
             }
-        for (int64_t t = t0; t < t1; t++)
-            for (int64_t a = 0; a < group; a++) {
-                float *pq = p + ((t - t0) * group + a) * Lmax, m = -INFINITY, sum = 0.f;
-                const int64_t L = positions[t] + 1;
-                const uint8_t *keep = mask ? mask + t * mask_stride : NULL;
-                for (int64_t j = 0; j < L; j++)
-                    if (!keep || keep[j]) m = pq[j] > m ? pq[j] : m;
-                for (int64_t j = 0; j < L; j++) pq[j] -= m;
-                exp_array(pq, pq, L);
-                if (keep)       /* masked keys weigh exactly 0, not expv's clamped exp(-87) */
-                    for (int64_t j = 0; j < L; j++) pq[j] = keep[j] ? pq[j] : 0.f;
-                for (int64_t j = 0; j < L; j++) sum += pq[j];
-                weighted_sum(pq, vc, L, D, 1.f / sum, attn + t * NH * D + (g * group + a) * D);
-            }
+        for (int64_t r = 0; r < nq; r++) {
+            const int64_t t = t0 + r / group;
+            inv[r] = 1.f / softmax_weights(p + r * Lmax, positions[t] + 1,
+                                           mask ? mask + t * mask_stride : NULL);
+        }
+        weighted_sums(p, Lmax, nq, group, positions + t0, vc, D, inv,
+                      attn + t0 * NH * D + g * group * D, NH * D);
         free(p);
     }
     free(run);

@@ -100,6 +100,33 @@ def test_a_row_does_not_depend_on_what_else_is_in_the_step(hf_model):
     assert torch.equal(alone[0], together[0]) and torch.equal(kv_alone, kv_together)
 
 
+@pytest.mark.parametrize("shape", [{}, {"head_dim": 64, "hidden_size": 96,
+                                         "num_attention_heads": 3, "num_key_value_heads": 1},
+                                   {"head_dim": 24, "num_attention_heads": 4}])
+def test_a_five_row_verify_equals_five_decodes_bit_for_bit(shape, tmp_path):
+    """The lossless-greedy property at its root: the rows of a causal run (whose queries share
+    passes over the values, each seeing one key more than the last) come out exactly as the
+    same tokens decoded one at a time. head_dim 16, 64 (three query heads per KV head, as in
+    the bundled target) and 24 (not a multiple of the vector width)."""
+    from tests.conftest import make_hf_model
+    make_hf_model("llama", tmp_path, **shape)
+    g = torch.Generator().manual_seed(3)
+    prompt, feed = (torch.randint(0, 96, (n,), generator=g).tolist() for n in (37, 5))
+    outs = []
+    for one_by_one in (False, True):
+        model, cache = _stepper(tmp_path)
+        assert _uses_kernel(model)
+        _step(model, cache, [prompt], [0], [1])
+        if one_by_one:
+            h = torch.cat([_step(model, cache, [[t]], [37 + i], [1]) for i, t in enumerate(feed)])
+        else:
+            h = _step(model, cache, [feed], [37], [1])
+        outs.append((h.clone(), [k[1, :, :42].clone() for k, _ in cache.layers]))
+    (h5, kv5), (h1, kv1) = outs
+    assert torch.equal(h5, h1)
+    assert all(torch.equal(a, b) for a, b in zip(kv5, kv1))
+
+
 def test_eagle3_features_and_hidden_match_the_pytorch_path(llama_dir):
     ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(2)).tolist()
     outs = []
