@@ -44,9 +44,9 @@ class ModelConfig:
         default=None, metadata={"help": "longest prompt + output; default: the model's context"})
     seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
     cpu_kernel: bool = field(default=True, metadata={
-        "help": "float32 or bfloat16 on the CPU: run decode and verify steps of up to 48 rows "
-                "in specserve's compiled kernel (built with the C compiler on first use; the "
-                "PyTorch path runs where it cannot be)"})
+        "help": "float32 or bfloat16 on the CPU: run decode, verify and prompt steps (up to "
+                "512 rows with AVX-512, 48 with AVX2) in specserve's compiled kernel (built "
+                "with the C compiler on first use; the PyTorch path runs where it cannot be)"})
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

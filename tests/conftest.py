@@ -65,7 +65,7 @@ def hf_model(request, tmp_path_factory):
 @pytest.fixture(params=["pytorch", "kernel"])
 def path_kind(request) -> str:
     """A logits test runs on the PyTorch path and on the compiled CPU kernel (which takes the
-    steps of up to 48 rows)."""
+    steps of up to max_rows(lib) rows: 512 with AVX-512, 48 with AVX2)."""
     from specserve.models.cpu_kernel import load_library
     if request.param == "kernel" and load_library() is None:
         pytest.skip("the CPU kernel could not be built here (no C compiler with OpenMP)")

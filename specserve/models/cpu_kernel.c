@@ -18,16 +18,13 @@
 #endif
 
 /* Vector width by instruction set: a v16 on a 256-bit machine spills registers and ran at a
- * tenth of the speed. ACC: accumulators a linear tile keeps in registers; CHUNK: rows per pass
- * over the weights. */
+ * tenth of the speed. ACC: accumulators a linear tile keeps in registers. */
 #if defined(__AVX512F__)
 #define VL 16
 #define ACC 24
-#define CHUNK 16
 #else
 #define VL 8
 #define ACC 8
-#define CHUNK 8
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
@@ -116,45 +113,47 @@ static inline vf load_w(const void *p, int64_t k, int bf16) {
  * products, and no weight needs widening first. */
 enum { F32, BF16, PAIRS };
 #define GROUP 4                 /* blocks a packed weight keeps input by input together */
+#define ROWS (ACC / GROUP)      /* rows a tile runs at once, GROUP accumulators each */
 
 /* Weights are packed as [ceil(out / (GROUP VL))][in][GROUP][VL] (F32, BF16) or
  * [..][in / 2][GROUP][VL][2] (PAIRS, `in` rounded up to even): groups of GROUP blocks of VL
  * output columns (specserve_block()), input by input, so that a tile of a whole group reads
  * one contiguous stream (on one thread, a one-row pass over the bundled target's weights took
- * a fifth less time than with each block's inputs contiguous: four streams). A tile of nb blocks (wp: its first block) times tb rows keeps its
- * tb * nb accumulators in registers while the weights stream past once; each output is summed
- * over i in order, the same for every tb and nb. For PAIRS, x holds the rows as bfloat16 pairs
+ * a fifth less time than with each block's inputs contiguous: four streams). A tile of a
+ * group (wp: its first block) times tb <= ROWS rows keeps its tb * GROUP accumulators in
+ * registers while the weights stream past once; each output is summed over i in order, the
+ * same for every tb. For PAIRS, x holds the rows as bfloat16 pairs
  * (uint32, `in` of them per row: here `in` counts pairs). */
 static inline __attribute__((always_inline)) void tile(const void *wp, int mode, const void *xp,
-                                                       int64_t in, int tb, int nb, float *y) {
+                                                       int64_t in, int tb, float *y) {
 #if defined(__AVX512BF16__) && VL == 16
     if (mode == PAIRS) {
         const uint32_t *x = xp;
-        __m512 acc[16][4];
+        __m512 acc[ROWS][GROUP];
         for (int t = 0; t < tb; t++)
-            for (int b = 0; b < nb; b++) acc[t][b] = _mm512_setzero_ps();
+            for (int b = 0; b < GROUP; b++) acc[t][b] = _mm512_setzero_ps();
         for (int64_t i = 0; i < in; i++) {
-            __m512bh w[4];
-            for (int b = 0; b < nb; b++)
+            __m512bh w[GROUP];
+            for (int b = 0; b < GROUP; b++)
                 w[b] = (__m512bh)_mm512_loadu_si512((const uint32_t *)wp + (i * GROUP + b) * VL);
             for (int t = 0; t < tb; t++) {
                 const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[t * in + i]);
-                for (int b = 0; b < nb; b++) acc[t][b] = _mm512_dpbf16_ps(acc[t][b], w[b], xv);
+                for (int b = 0; b < GROUP; b++) acc[t][b] = _mm512_dpbf16_ps(acc[t][b], w[b], xv);
             }
         }
         for (int t = 0; t < tb; t++)
-            for (int b = 0; b < nb; b++) _mm512_storeu_ps(y + t * 4 * VL + b * VL, acc[t][b]);
+            for (int b = 0; b < GROUP; b++) _mm512_storeu_ps(y + (t * GROUP + b) * VL, acc[t][b]);
         return;
     }
 #endif
-    vf acc[16][4];
+    vf acc[ROWS][GROUP];
     for (int t = 0; t < tb; t++)
-        for (int b = 0; b < nb; b++) acc[t][b] = (vf){0};
+        for (int b = 0; b < GROUP; b++) acc[t][b] = (vf){0};
     if (mode == PAIRS) {        /* no AVX512-BF16: widen; the odd input first, as it does */
         const uint32_t *x = xp;
         for (int64_t i = 0; i < in; i++) {
-            vf lo[4], hi[4];
-            for (int b = 0; b < nb; b++) {
+            vf lo[GROUP], hi[GROUP];
+            for (int b = 0; b < GROUP; b++) {
                 vi w;
                 memcpy(&w, (const uint32_t *)wp + (i * GROUP + b) * VL, sizeof w);
                 lo[b] = (vf)(w << 16);
@@ -165,7 +164,7 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
                 float xlo, xhi;
                 memcpy(&xlo, &ulo, 4);
                 memcpy(&xhi, &uhi, 4);
-                for (int b = 0; b < nb; b++) {
+                for (int b = 0; b < GROUP; b++) {
                     acc[t][b] += hi[b] * xhi;
                     acc[t][b] += lo[b] * xlo;
                 }
@@ -174,16 +173,16 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
     } else {
         const float *x = xp;
         for (int64_t i = 0; i < in; i++) {
-            vf w[4];
-            for (int b = 0; b < nb; b++) w[b] = load_w(wp, (i * GROUP + b) * VL, mode == BF16);
+            vf w[GROUP];
+            for (int b = 0; b < GROUP; b++) w[b] = load_w(wp, (i * GROUP + b) * VL, mode == BF16);
             for (int t = 0; t < tb; t++) {
                 float xv = x[t * in + i];
-                for (int b = 0; b < nb; b++) acc[t][b] += w[b] * xv;
+                for (int b = 0; b < GROUP; b++) acc[t][b] += w[b] * xv;
             }
         }
     }
     for (int t = 0; t < tb; t++)
-        for (int b = 0; b < nb; b++) storev(y + t * 4 * VL + b * VL, acc[t][b]);
+        for (int b = 0; b < GROUP; b++) storev(y + (t * GROUP + b) * VL, acc[t][b]);
 }
 
 /* bfloat16 bits of f, rounded to nearest even */
@@ -205,42 +204,47 @@ static void to_pairs(const float *x, int64_t T, int64_t in, uint32_t *out) {
 
 int specserve_block(void) { return VL; }
 
-/* blocks per tile for `rows` rows: as wide as the accumulator budget allows (at most GROUP) */
-#define NB_FOR(rows) ((rows) * 4 <= ACC ? 4 : (rows) * 2 <= ACC ? 2 : 1)
-#define TILE(TB, MODE)                                                                      \
-    case TB:                                                                                \
-        tile((const char *)wp + (c * NB_FOR(TB) / GROUP * in_x * GROUP                      \
-                                 + c * NB_FOR(TB) % GROUP) * VL * unit,                     \
-             MODE, xt, in_x, TB, NB_FOR(TB), buf);                                          \
-        break;
-#define TILES(MODE)                                                                         \
-    switch (rows) {                                                                         \
-        TILE(1, MODE) TILE(2, MODE) TILE(3, MODE) TILE(4, MODE) TILE(5, MODE) TILE(6, MODE) \
-        TILE(7, MODE) TILE(8, MODE) TILE(9, MODE) TILE(10, MODE) TILE(11, MODE)             \
-        TILE(12, MODE) TILE(13, MODE) TILE(14, MODE) TILE(15, MODE) TILE(16, MODE)          \
-    }
+/* The longest step the kernel takes; longer prompt chunks take PyTorch's blocked matrix
+ * multiply. With AVX-512 the kernel was the faster at every length timed on the bundled
+ * target up to 512 rows (in bfloat16 2.3-3.4x from 64 rows on, in float32 1.3-2.1x); with
+ * AVX2 (built for haswell, same machine) it tied at 64 rows and was 1.5x slower at 512. */
+int specserve_max_rows(void) { return VL == 16 ? 512 : 48; }
+
+#define TILE(TB, MODE) case TB: tile(wt, MODE, xg, in_x, TB, buf); break;
+#if ROWS >= 6
+#define MORE_TILES(MODE) TILE(3, MODE) TILE(4, MODE) TILE(5, MODE) TILE(6, MODE)
+#else
+#define MORE_TILES(MODE)
+#endif
+#define TILES(MODE) switch (n) { TILE(1, MODE) TILE(2, MODE) MORE_TILES(MODE) }
 
 /* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed in `mode`
- * (F32, BF16, PAIRS); y has row stride ldy. Rows go CHUNK at a time, each pass in tiles as
- * wide as NB_FOR allows. Threads split the tiles. Returns 0, or -1 when out of memory. */
+ * (F32, BF16, PAIRS); y has row stride ldy. Threads split the tiles of GROUP blocks; a tile
+ * runs its rows ROWS at a time (as evenly as that allows), so its weights come from memory
+ * once and from cache for the other passes. Returns 0, or -1 when out of memory. */
 int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const float *bias,
                      int64_t out, int64_t in, float *y, int64_t ldy, int accumulate,
                      int nthreads) {
-    /* a packed row: in_x units (floats, bfloat16 values or bfloat16 pairs) of `unit` bytes */
+    /* a packed row: in_x units (floats, bfloat16 values or bfloat16 pairs) of `unit` bytes;
+     * an input row: in_x floats or bfloat16 pairs, 4 bytes each */
     const int64_t in_x = mode == PAIRS ? (in + 1) / 2 : in, unit = mode == BF16 ? 2 : 4;
+    const void *xs = x;
     uint32_t *pairs = NULL;
-    if (mode == PAIRS && !(pairs = malloc(sizeof(uint32_t) * CHUNK * in_x))) return -1;
-    for (int64_t t0 = 0; t0 < T; t0 += CHUNK) {
-        const int64_t rows = T - t0 < CHUNK ? T - t0 : CHUNK;
-        const int64_t width = NB_FOR(rows) * VL, ntiles = (out + width - 1) / width;
-        const void *xt = x + t0 * in;
-        if (pairs) {
-            to_pairs(x + t0 * in, rows, in, pairs);
-            xt = pairs;
-        }
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t c = 0; c < ntiles; c++) {
-            float buf[16 * 4 * VL];
+    if (mode == PAIRS) {
+        if (!(pairs = malloc(sizeof(uint32_t) * T * in_x))) return -1;
+        to_pairs(x, T, in, pairs);
+        xs = pairs;
+    }
+    const int64_t width = GROUP * VL, ntiles = (out + width - 1) / width;
+    const int64_t passes = (T + ROWS - 1) / ROWS;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t c = 0; c < ntiles; c++) {
+        float buf[ROWS * GROUP * VL];
+        const void *wt = (const char *)wp + c * in_x * GROUP * VL * unit;
+        const int64_t o0 = c * width, m = out - o0 < width ? out - o0 : width;
+        for (int64_t k = 0, t0 = 0; k < passes; k++) {
+            const int64_t n = T / passes + (k < T % passes);
+            const void *xg = (const char *)xs + t0 * in_x * 4;
             if (mode == PAIRS) {
                 TILES(PAIRS)
             } else if (mode == BF16) {
@@ -248,14 +252,14 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
             } else {
                 TILES(F32)
             }
-            const int64_t o0 = c * width, n = out - o0 < width ? out - o0 : width;
-            for (int64_t t = 0; t < rows; t++) {
+            for (int64_t t = 0; t < n; t++) {
                 float *yt = y + (t0 + t) * ldy + o0;
-                for (int64_t j = 0; j < n; j++) {
-                    float v = buf[t * 4 * VL + j] + (bias ? bias[o0 + j] : 0.f);
+                for (int64_t j = 0; j < m; j++) {
+                    float v = buf[t * GROUP * VL + j] + (bias ? bias[o0 + j] : 0.f);
                     yt[j] = accumulate ? yt[j] + v : v;
                 }
             }
+            t0 += n;
         }
     }
     free(pairs);

@@ -4,7 +4,7 @@
 Eager PyTorch spends a batch-1 decode step of a small model mostly outside the weights: some
 twenty kernel launches per layer, and one-row matrix products that read the weights at well
 under the memory bandwidth (RESULTS runs 17 and 19). `CpuLayer` runs a decoder layer's step of
-up to `MAX_ROWS` rows (causal runs, or draft-tree nodes under the step's mask) in one C call,
+up to `max_rows(lib)` rows (causal runs, or draft-tree nodes under the step's mask) in one C call,
 and `linear_rows` does the same for one matrix (lm_head, heads); `HeadChain` and `LlamaChain`
 run all the greedy passes of a drafter's step (an EAGLE, EAGLE-3 or MTP head, a draft model) in
 one call. Each output element is computed the same way whatever else is in the step, so a row's
@@ -14,7 +14,8 @@ bit for bit).
 The C file is compiled on first use with the machine's C compiler (`$CC`, default `cc`; extra
 `$CFLAGS` go last, so `CFLAGS=-march=haswell` builds for AVX2 on an AVX-512 machine) into
 `~/.cache/specserve/kernels` (or `$XDG_CACHE_HOME`); where that fails, a warning says so and
-the PyTorch path runs. Prompt chunks longer than `MAX_ROWS` take the PyTorch path.
+the PyTorch path runs. Prompt chunks longer than `max_rows(lib)` (512 with AVX-512, 48 with
+AVX2) take the PyTorch path.
 """
 
 from __future__ import annotations
@@ -32,11 +33,6 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-# Steps of up to this many rows (decode, verify, a batch of either) take the kernel; it reads
-# each weight once per 16 rows. Longer prompt chunks take PyTorch's blocked matrix multiply,
-# which reuses weights across many rows (timed side by side on the bundled target, a whole
-# step cost about the same both ways near 64 rows, and 1.5x less in the kernel at 40).
-MAX_ROWS = 48
 GROUP = 4                # blocks of a packed weight kept input by input (GROUP in C)
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -102,9 +98,16 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_llama_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64, _I64] + [_P] * 3 + [
         ctypes.c_float] + [_P] * 3 + [ctypes.c_int, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.specserve_llama_chain.restype = ctypes.c_int
-    lib.specserve_block.argtypes = []
-    lib.specserve_block.restype = ctypes.c_int
+    for fn in (lib.specserve_block, lib.specserve_max_rows):
+        fn.argtypes, fn.restype = [], ctypes.c_int
     return lib
+
+
+@functools.cache
+def max_rows(lib: ctypes.CDLL) -> int:
+    """The most rows a step (decode, verify, a prompt chunk, a batch of them) may have to take
+    the kernel: where it beats PyTorch's blocked matrix multiply on its instruction set."""
+    return lib.specserve_max_rows()
 
 
 def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False) -> torch.Tensor:
@@ -142,8 +145,7 @@ def weight_mode(packed: torch.Tensor) -> int:
 def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
                 bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [T, in] @ weight.T + bias with the weight packed by `pack_weight`: [T, out]. Meant
-    for T <= MAX_ROWS; more rows work but re-read the weight every 16 rows (8 on machines
-    without AVX-512)."""
+    for T <= max_rows(lib); a tile of weights runs its rows a few at a time from cache."""
     x = x.contiguous()
     T, inp = x.shape
     y = x.new_empty(T, out_features)
@@ -166,7 +168,7 @@ def rms_norm_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
 
 
 class CpuLayer:
-    """A decoder layer's cached step of <= MAX_ROWS rows in one C call: `DecoderLayer`
+    """A decoder layer's cached step of <= max_rows(lib) rows in one C call: `DecoderLayer`
     (target, draft model, EAGLE, MTP) or `Eagle3DecoderLayer` (its attention input given)."""
 
     def __init__(self, layer: torch.nn.Module, lib: ctypes.CDLL) -> None:
@@ -361,7 +363,7 @@ class LlamaChain(_Chain):
                            self.k, self.v), tokens)
 
 
-def kernel_step(md, x: torch.Tensor) -> bool:
-    """Whether a cached step of rows `x` [T, ...] goes through the kernel: at most MAX_ROWS
-    rows (causal runs or draft-tree nodes)."""
-    return md is not None and x.shape[0] <= MAX_ROWS
+def kernel_step(md, x: torch.Tensor, lib: ctypes.CDLL) -> bool:
+    """Whether a cached step of rows `x` [T, ...] goes through the kernel: at most
+    max_rows(lib) rows (causal runs or draft-tree nodes)."""
+    return md is not None and x.shape[0] <= max_rows(lib)

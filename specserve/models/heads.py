@@ -222,7 +222,7 @@ class Eagle3DecoderLayer(nn.Module):
 
     def forward(self, emb, hidden, cos_sin, md, cache):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        if self.cpu_layer is not None and kernel_step(md, x):
+        if self.cpu_layer is not None and kernel_step(md, x, self.cpu_layer.lib):
             return self.cpu_layer(hidden, cos_sin, md, cache, attn_in=x)
         x = hidden + self.self_attn(x, cos_sin, md, cache)
         return x + self.mlp(self.post_attention_layernorm(x))

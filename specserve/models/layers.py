@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.cpu_kernel import (MAX_ROWS, CpuLayer, kernel_step, linear_rows, load_library,
+from specserve.models.cpu_kernel import (CpuLayer, linear_rows, load_library, max_rows,
                                          pack_weight, rms_norm_rows)
 
 
@@ -66,7 +66,7 @@ class RMSNorm(nn.Module):
         self.lib = None         # the CPU kernel, set by use_decode_linears for inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lib is not None and x.numel() <= MAX_ROWS * x.shape[-1]:
+        if self.lib is not None and x.numel() <= max_rows(self.lib) * x.shape[-1]:
             return rms_norm_rows(self.lib, x, self.weight, self.eps)
         if x.dtype == torch.float32:                 # one fused kernel
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -208,12 +208,12 @@ class DecodeLinear(nn.Module):
 
     MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding: a verify step
     of 1+k rows cost well over a one-row decode step. With `lib` (the compiled CPU kernel,
-    float32 only), inputs of up to MAX_ROWS rows go through the kernel, over a copy packed for
-    it (`kernel_weight`, which `CpuLayer` reads too); longer inputs (prompt chunks) are
-    compute-bound and F.linear serves them as well as anything. Without the kernel, oneDNN with
-    the weight reordered once for a multi-row layout keeps the cost nearly flat from 1 to about
-    8 rows, and a one-row step is cheaper too (`specserve bench latency`, runs 3, 4 and 7 in
-    benchmarks/RESULTS.md); in bfloat16 it also beats F.linear's kernel (run 13).
+    float32 only), inputs of up to max_rows(lib) rows go through the kernel, over a copy
+    packed for it (`kernel_weight`, which `CpuLayer` reads too); longer inputs (prompt chunks)
+    take F.linear. Without the kernel, oneDNN with the weight reordered once for a multi-row
+    layout keeps the cost nearly flat from 1 to about 8 rows, and a one-row step is cheaper
+    too (`specserve bench latency`, runs 3, 4 and 7 in benchmarks/RESULTS.md); in bfloat16 it
+    also beats F.linear's kernel (run 13).
     """
 
     PACK_ROWS = 16
@@ -234,7 +234,7 @@ class DecodeLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is not None:
-            if x.numel() > MAX_ROWS * self.in_features:
+            if x.numel() > max_rows(self.lib) * self.in_features:
                 return F.linear(x, self.weight, self.bias)
             y = linear_rows(self.lib, x.reshape(-1, self.in_features), self.kernel_weight,
                             self.bias, self.out_features)                  # [N, out]

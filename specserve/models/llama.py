@@ -113,12 +113,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
         # Set by use_decode_linears on float32 CPU inference models: runs cached steps of up
-        # to MAX_ROWS rows in compiled code (models/cpu_kernel.py).
+        # to max_rows(lib) rows in compiled code (models/cpu_kernel.py).
         self.cpu_layer = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 md: AttentionMetadata | None, cache) -> torch.Tensor:
-        if self.cpu_layer is not None and kernel_step(md, x):
+        if self.cpu_layer is not None and kernel_step(md, x, self.cpu_layer.lib):
             return self.cpu_layer(x, cos_sin, md, cache)
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, md, cache)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -16,7 +16,7 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.engine.runner import ragged_inputs
-from specserve.models.cpu_kernel import MAX_ROWS
+from specserve.models.cpu_kernel import max_rows
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model
 from specserve.proposers.base import Proposal, ProposeBatch
@@ -104,7 +104,7 @@ class DraftModelProposer:
         logits = self._forward(reqs, feeds, starts)
         for r in reqs:
             self.state[r.request_id].num_computed = r.num_tokens
-        if self.chain is not None and len(reqs) <= MAX_ROWS:
+        if self.chain is not None and len(reqs) <= max_rows(self.chain.lib):
             first = logits.argmax(dim=-1).tolist()
             if self.threshold:          # a first draft below it is the only one
                 budgets = [n if ok else 1 for n, ok in zip(budgets, self._sure(logits, first))]

@@ -23,7 +23,7 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.engine.runner import build_tree_metadata, ragged_inputs
 from specserve.kv_cache import KVCache
-from specserve.models.cpu_kernel import MAX_ROWS
+from specserve.models.cpu_kernel import max_rows
 from specserve.models.head_loader import load_head
 from specserve.models.layers import Rotary
 from specserve.proposers.base import Proposal, ProposeBatch
@@ -93,7 +93,8 @@ class HeadProposer:
         h = self.head.fuse_target(torch.cat(rows))                            # [T, H]
         ends = [e - 1 for e in itertools.accumulate(len(t) for t in tokens)]  # last rows
         drafting = batch.requests
-        if drafting and self.chain is not None and max(len(drafting), len(h)) <= MAX_ROWS:
+        if (drafting and self.chain is not None
+                and max(len(drafting), len(h)) <= max_rows(self.chain.lib)):
             end = {id(r): e for r, e in zip(reqs, ends)}
             return [Proposal(t) for t in self.chain.after_ingest(
                 [t for ts in tokens for t in ts], h,
@@ -108,7 +109,7 @@ class HeadProposer:
         state = torch.stack([last[id(r)] for r in drafting])               # [B, H]
         if self.tree is not None:
             return self._draft_trees(drafting, batch.max_num_tokens, state)
-        if self.chain is not None and len(drafting) <= MAX_ROWS:    # after a long ingest
+        if self.chain is not None and len(drafting) <= max_rows(self.chain.lib):   # long ingest
             return [Proposal(t) for t in self.chain(state, [r.num_tokens - 1 for r in drafting],
                                                     [r.slot for r in drafting],
                                                     batch.max_num_tokens, self.threshold)]

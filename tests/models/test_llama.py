@@ -112,7 +112,7 @@ def test_decode_linear_matches_linear():
         dl = DecodeLinear(lin, lib)
         assert dl.weight is lin.weight
         for x in (t.randn(1, 24), t.randn(7, 24), t.randn(2, 5, 24), t.randn(6, 24)[::2],
-                  t.randn(60, 24), t.randn(2, 40, 24)):     # the last two: past MAX_ROWS
+                  t.randn(600, 24), t.randn(2, 300, 24)):   # the last two: past max_rows
             assert t.allclose(dl(x), lin(x), atol=1e-5)
     seq = use_decode_linears(t.nn.Sequential(t.nn.Linear(4, 4), t.nn.ReLU(), t.nn.Linear(4, 2)))
     assert [type(m).__name__ for m in seq] == ["DecodeLinear", "ReLU", "DecodeLinear"]
