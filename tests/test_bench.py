@@ -148,3 +148,15 @@ def test_hybrid_runner_notes_the_share_of_lookup_drafts(llama_dir, draft_dir):
     lookups = hybrid.llm.engine.proposer.num_lookup_drafts
     share = lookups / hybrid.llm.get_metrics()["spec_decode_num_drafts"]
     assert 0 < share < 1 and hybrid.note() == f"lookup drafted {share:.0%}"
+
+
+def test_prompt_ms_times_a_prompt_of_the_given_length(llama_dir):
+    from specserve import LLM
+    from specserve.bench.offline import prompt_ms
+    llm = LLM(str(llama_dir), device="cpu")
+    fed = []
+    model_forward = llm.engine.model.forward
+    llm.engine.model.forward = lambda ids, *a, **k: fed.append(len(ids)) or model_forward(
+        ids, *a, **k)
+    assert prompt_ms(llm, 40, repeats=2) > 0
+    assert fed == [40, 40, 40]            # a warm-up and two timed runs, one prompt step each

@@ -60,6 +60,20 @@ def greedy_seconds(llm, n: int) -> float:
     return time.perf_counter() - t
 
 
+def prompt_ms(llm, n: int, repeats: int = 5) -> float:
+    """Batch-1 time to the first token of an `n`-token prompt (median of repeats, in ms): the
+    prompt's forward (its chunks, a drafter's pass over it) and one sampled token."""
+    from specserve import SamplingParams, TokensPrompt
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompt = TokensPrompt(prompt_token_ids=[10 + i % 64 for i in range(n)])
+    times = []
+    for _ in range(repeats + 1):                          # the first run warms up
+        t = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1e3
+
+
 def decode_ms_per_token(llm, tokens: int = 128, repeats: int = 5) -> float:
     """Batch-1 greedy decode time per token without the prompt's cost: the median over
     repeats of (time for `tokens` tokens - time for 1 token) / (tokens - 1), 64-token prompt."""
@@ -322,6 +336,9 @@ def main(argv: list[str]) -> None:
     floor_runners += [SpecserveRunner(f"specserve no-spec, {d}", a.target, None, d)
                       for d in dtypes[1:]]
     decode = {r.name: decode_ms_per_token(r.llm) for r in floor_runners}
+    lengths = [n for n in (64, 256, 512)
+               if n < floor_runners[0].llm.engine.max_model_len]
+    prefill = {r.name: [prompt_ms(r.llm, n) for n in lengths] for r in floor_runners}
     target_model = floor_runners[0].llm.engine.model
     wb, streamed = weight_bytes(target_model), weight_bytes(target_model, streamed=True)
     # Measured again at the end, the higher reading kept: on a shared machine one reading can
@@ -348,6 +365,10 @@ def main(argv: list[str]) -> None:
              "- batch-1 greedy decode alone (128 tokens after a 64-token prompt, prompt time "
              "taken out, median of 5): " + "; ".join(
                  _floor_ratios(name, ms, wb, streamed, bw) for name, ms in decode.items()),
+             f"- batch-1 time to the first token of a {' / '.join(map(str, lengths))}-token "
+             "prompt (median of 5): " + "; ".join(
+                 f"{name} {' / '.join(f'{ms:.1f}' for ms in times)} ms"
+                 for name, times in prefill.items()),
              f"- plot: {png.name}", ""]
     for key, results in all_results.items():
         lines += [f"### {key}\n", _table(results, "specserve no-spec"), ""]
