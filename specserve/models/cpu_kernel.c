@@ -770,3 +770,41 @@ int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const
     free(ls); free(x); free(normed); free(logits); free(rot); free(prob); free(ints);
     return rc;
 }
+
+/* A Llama-family model's cached step of T rows in one call (a decode, verify, tree or prompt
+ * step of the target, instead of a dozen PyTorch operators and a C call per layer): x =
+ * embed[ids]; each of the L layers (shapes s, weights w, caches k_cache/v_cache) runs over x as
+ * in specserve_layer, row t at KV position positions[t] of slot slots[t] (under `mask` for
+ * tree steps) rotated by row rope[t] of cos_sin [positions, 2, head_dim]; the input of layer
+ * aux_layers[a] goes to columns a * H.. of aux [T, n_aux * H]; hidden [T, H] = final_norm(x)
+ * (epsilon eps).
+ * Each value is the one the layer-by-layer path computes. Returns 0, or -1 when out of memory. */
+int specserve_llama_forward(const Shape *s, int64_t L, int64_t T, const int64_t *ids,
+                            const int64_t *slots, const int64_t *positions, const int64_t *rope,
+                            const float *embed, const float *final_norm, float eps,
+                            const float *cos_sin,
+                            const void *const *const *w, float *const *k_cache,
+                            float *const *v_cache, const uint8_t *mask, int64_t mask_stride,
+                            int64_t n_aux, const int64_t *aux_layers, float *aux, float *hidden,
+                            int nthreads) {
+    const int64_t H = s[0].hidden, D = s[0].head_dim;
+    float *x = malloc(sizeof(float) * T * H), *rot = malloc(sizeof(float) * T * 2 * D);
+    int rc = x && rot ? 0 : -1;
+    for (int64_t t = 0; rc == 0 && t < T; t++) {
+        memcpy(x + t * H, embed + ids[t] * H, H * sizeof(float));
+        memcpy(rot + t * 2 * D, cos_sin + rope[t] * 2 * D, 2 * D * sizeof(float));
+    }
+    for (int64_t l = 0; rc == 0 && l < L; l++) {
+        for (int64_t a = 0; a < n_aux; a++)
+            if (aux_layers[a] == l)
+                for (int64_t t = 0; t < T; t++)
+                    memcpy(aux + (t * n_aux + a) * H, x + t * H, H * sizeof(float));
+        Shape ls = s[l];
+        ls.rot_stride = 2 * D;
+        rc = specserve_layer(&ls, T, x, NULL, slots, positions, w[l], k_cache[l], v_cache[l],
+                             rot, rot + D, mask, mask_stride, nthreads);
+    }
+    if (rc == 0) rms_norm(x, final_norm, eps, T, H, H, H, hidden);
+    free(x); free(rot);
+    return rc;
+}

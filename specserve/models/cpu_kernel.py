@@ -98,6 +98,9 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_llama_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64, _I64] + [_P] * 3 + [
         ctypes.c_float] + [_P] * 3 + [ctypes.c_int, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.specserve_llama_chain.restype = ctypes.c_int
+    lib.specserve_llama_forward.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 6 + [
+        ctypes.c_float] + [_P] * 5 + [_I64, _I64, _P, _P, _P, ctypes.c_int]
+    lib.specserve_llama_forward.restype = ctypes.c_int
     for fn in (lib.specserve_block, lib.specserve_max_rows):
         fn.argtypes, fn.restype = [], ctypes.c_int
     return lib
@@ -361,6 +364,63 @@ class LlamaChain(_Chain):
                           budgets, threshold,
                           (emb, fin_n, lm, self.lm_mode, self.vocab, cos_sin, self.weights,
                            self.k, self.v), tokens)
+
+
+class LlamaForward:
+    """A Llama-family model's cached step in one C call (`specserve_llama_forward`): the
+    embedding, every layer and the final norm, instead of a dozen PyTorch operators and a C
+    call per layer (at batch 1 those cost a tenth of a decode step). The values are those of
+    the layer-by-layer path through this kernel. Built by `use_decode_linears`."""
+
+    def __init__(self, layers: list[CpuLayer], embed: torch.Tensor, final_norm: torch.Tensor,
+                 eps: float, cos_sin: torch.Tensor) -> None:
+        tensors = (embed, final_norm, cos_sin)
+        if not all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors):
+            raise ValueError("LlamaForward: embedding, norm and rotary table must be "
+                             "contiguous float32")
+        self.lib, self.layers, self._keep = layers[0].lib, layers, tensors
+        self.eps, self.max_positions = eps, cos_sin.shape[0]
+        self.shapes = (_Shape * len(layers))(*(_Shape.from_buffer_copy(x.shape) for x in layers))
+        self.weights = (_P * len(layers))(*(ctypes.cast(x.weights, _P) for x in layers))
+        self._caches = None
+        self.k = self.v = None
+
+    def _use(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if caches is self._caches:
+            return
+        if not all(k.is_contiguous() and v.is_contiguous() and k.dtype == torch.float32
+                   for k, v in caches):
+            raise ValueError("LlamaForward: KV cache tensors must be contiguous float32")
+        for sh, (k, _) in zip(self.shapes, caches):
+            sh.max_len = k.shape[2]
+        self.k = (_P * len(caches))(*(k.data_ptr() for k, _ in caches))
+        self.v = (_P * len(caches))(*(v.data_ptr() for _, v in caches))
+        self._caches = caches
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, md,
+                 caches: list[tuple[torch.Tensor, torch.Tensor]], aux_layers: tuple[int, ...]):
+        """ids, positions (rotary) [T] long -> final hidden states [T, H], and with aux_layers
+        also the inputs of those layers [T, len(aux_layers) * H]."""
+        self._use(caches)
+        T, H = ids.shape[0], self.shapes[0].hidden
+        if int(positions.max()) >= self.max_positions:
+            raise ValueError(f"LlamaForward: position {int(positions.max())} is past the "
+                             f"rotary table ({self.max_positions} positions)")
+        hidden = torch.empty(T, H)
+        aux = torch.empty(T, len(aux_layers) * H) if aux_layers else None
+        aux_ids = torch.tensor(aux_layers, dtype=torch.long)
+        mask = md.row_mask() if md.tree else None                       # [T, max_kv] bool
+        embed, final_norm, cos_sin = self._keep
+        rc = self.lib.specserve_llama_forward(
+            self.shapes, len(self.layers), T, ids.data_ptr(), md.token_slots.data_ptr(),
+            md.positions.data_ptr(), positions.data_ptr(), embed.data_ptr(),
+            final_norm.data_ptr(), self.eps, cos_sin.data_ptr(), self.weights, self.k, self.v,
+            None if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],
+            len(aux_layers), aux_ids.data_ptr(), None if aux is None else aux.data_ptr(),
+            hidden.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise MemoryError("LlamaForward: could not allocate the step's scratch memory")
+        return (hidden, aux) if aux_layers else hidden
 
 
 def kernel_step(md, x: torch.Tensor, lib: ctypes.CDLL) -> bool:

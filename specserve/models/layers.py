@@ -256,7 +256,8 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
     few-row cached steps; without a C compiler that is skipped with a warning. A bfloat16
     model becomes float32 then (its values unchanged) and its few-row matrix products take
     their inputs in bfloat16 (AVX512-BF16 dot products where the CPU has them): norms,
-    attention, the KV cache and the sums stay float32."""
+    attention, the KV cache and the sums stay float32. A model with `kernel_forward`
+    (LlamaForCausalLM) then runs its whole cached step in one call (`cpu_forward`)."""
     w = next(model.parameters())
     if w.device.type != "cpu":
         return model
@@ -277,6 +278,9 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
                 module.cpu_layer = CpuLayer(module, lib)
             elif isinstance(module, RMSNorm) and module.weight.is_contiguous():
                 module.lib = lib
+        for module in model.modules():
+            if hasattr(module, "kernel_forward"):
+                module.cpu_forward = module.kernel_forward()
     return model
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.models.cpu_kernel import LlamaChain, kernel_step
+from specserve.models.cpu_kernel import LlamaChain, LlamaForward, kernel_step
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -138,6 +138,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(args.head_dim, max_len or args.max_position_embeddings,
                              args.rope_theta, args.rope_scaling)
+        self.cpu_forward = None         # see kernel_forward
+
+    def kernel_forward(self) -> LlamaForward | None:
+        """The whole cached step in compiled code, for use_decode_linears to set as
+        `cpu_forward` once every layer has its CpuLayer; None where one lacks it."""
+        layers = [layer.cpu_layer for layer in self.layers]
+        if None in layers or self.norm.lib is None:
+            return None
+        return LlamaForward(layers, self.embed_tokens.weight, self.norm.weight, self.norm.eps,
+                            self.rotary.cos_sin)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata | None = None,
@@ -147,6 +157,8 @@ class LlamaForCausalLM(nn.Module):
         without (dense causal training). Returns the final (normed) hidden states
         [..., hidden_size]; with `aux_layers`, also the inputs of those layers concatenated
         [..., len(aux_layers) * hidden_size] (what EAGLE-3 heads read)."""
+        if self.cpu_forward is not None and kernel_step(md, input_ids, self.cpu_forward.lib):
+            return self.cpu_forward(input_ids, positions, md, kv_caches, aux_layers)
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.tables(positions, x.dtype)
         saved = {}

@@ -127,12 +127,43 @@ def test_a_five_row_verify_equals_five_decodes_bit_for_bit(shape, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(kv5, kv1))
 
 
+def test_the_one_call_forward_equals_the_layer_by_layer_kernel_path(hf_model):
+    """LlamaForward (embedding, layers, final norm in one C call) against a C call per layer:
+    the same hidden states, EAGLE-3 features and KV bit for bit, over a prompt, a ragged
+    verify step and a draft-tree step (its mask and depth-rotated rows)."""
+    from specserve.engine.runner import build_tree_metadata, tree_rows
+    _, path, _ = hf_model
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (23, 9)]
+    parents = [-1, -1, 0, 0, 2]
+    outs = []
+    for one_call in (True, False):
+        model, cache = _stepper(path)
+        assert model.cpu_forward is not None
+        if not one_call:
+            model.cpu_forward = None
+        res = [_step(model, cache, prompts, [0, 0], [0, 2], aux=(0, 1))]
+        res.append(_step(model, cache, [[5, 6, 7], [8]], [23, 9], [0, 2], aux=(1,)))
+        store, rope, ctx, extra = tree_rows(10, 1, parents, len(parents))
+        md = build_tree_metadata([2], [store], [ctx], [extra], torch.device("cpu"))
+        with torch.inference_mode():
+            res.append(model(torch.tensor([3, 11, 12, 13, 14, 15]), torch.tensor(rope), md,
+                             cache.layers))
+        res.append([k[[0, 2], :, :30].clone() for k, _ in cache.layers])
+        outs.append(res)
+    for a, b in zip(*outs):
+        for x, y in zip(a if isinstance(a, (tuple, list)) else [a],
+                        b if isinstance(b, (tuple, list)) else [b]):
+            assert torch.equal(x, y)
+
+
 def test_eagle3_features_and_hidden_match_the_pytorch_path(llama_dir):
     ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(2)).tolist()
     outs = []
     for kernel in (False, True):
         model, cache = _stepper(llama_dir)
         if not kernel:
+            model.cpu_forward = None
             for layer in model.layers:
                 layer.cpu_layer = None
         _step(model, cache, [ids[:10]], [0], [3])
@@ -273,6 +304,7 @@ def test_bfloat16_valued_weights_stream_as_bfloat16_with_the_same_results(llama_
             assert layer.cpu_layer.shape.mode == 1
             assert model.lm_head.kernel_weight.dtype == torch.bfloat16
         else:
+            model.cpu_forward = None
             for layer in model.layers:
                 layer.cpu_layer = None
         _step(model, cache, [ids[:10]], [0], [1])
