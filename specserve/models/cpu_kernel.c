@@ -228,6 +228,7 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
     /* a packed row: in_x units (floats, bfloat16 values or bfloat16 pairs) of `unit` bytes;
      * an input row: in_x floats or bfloat16 pairs, 4 bytes each */
     const int64_t in_x = mode == PAIRS ? (in + 1) / 2 : in, unit = mode == BF16 ? 2 : 4;
+    if (T == 0) return 0;
     const void *xs = x;
     uint32_t *pairs = NULL;
     if (mode == PAIRS) {

@@ -384,6 +384,7 @@ class LlamaForward:
         self.weights = (_P * len(layers))(*(ctypes.cast(x.weights, _P) for x in layers))
         self._caches = None
         self.k = self.v = None
+        self._aux_ids: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _use(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if caches is self._caches:
@@ -408,7 +409,9 @@ class LlamaForward:
                              f"rotary table ({self.max_positions} positions)")
         hidden = torch.empty(T, H)
         aux = torch.empty(T, len(aux_layers) * H) if aux_layers else None
-        aux_ids = torch.tensor(aux_layers, dtype=torch.long)
+        aux_ids = self._aux_ids.get(aux_layers)
+        if aux_ids is None:
+            aux_ids = self._aux_ids[aux_layers] = torch.tensor(aux_layers, dtype=torch.long)
         mask = md.row_mask() if md.tree else None                       # [T, max_kv] bool
         embed, final_norm, cos_sin = self._keep
         rc = self.lib.specserve_llama_forward(
