@@ -205,9 +205,10 @@ static void to_pairs(const float *x, int64_t T, int64_t in, uint32_t *out) {
 int specserve_block(void) { return VL; }
 
 /* The longest step the kernel takes; longer prompt chunks take PyTorch's blocked matrix
- * multiply. With AVX-512 the kernel was the faster at every length timed on the bundled
- * target up to 512 rows (in bfloat16 2.3-3.4x from 64 rows on, in float32 1.3-2.1x); with
- * AVX2 (built for haswell, same machine) it tied at 64 rows and was 1.5x slower at 512. */
+ * multiply. In a throwaway timing of the bundled target's forward on a Zen 4 machine, the
+ * kernel built for AVX-512 was the faster at every length up to 512 rows (in bfloat16 2.3-3.4x
+ * from 64 rows on, in float32 1.3-2.1x); built for haswell (AVX2) it tied at 64 rows and was
+ * 1.5x slower at 512. */
 int specserve_max_rows(void) { return VL == 16 ? 512 : 48; }
 
 #define TILE(TB, MODE) case TB: tile(wt, MODE, xg, in_x, TB, buf); break;
