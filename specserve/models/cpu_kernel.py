@@ -332,6 +332,24 @@ class HeadChain(_Chain):
                           torch.empty(len(slots), n, dtype=torch.long))
 
 
+class _LayerArrays:
+    """The per-layer C arrays of a whole model's call (`specserve_llama_chain`,
+    `specserve_llama_forward`): shapes and weight tables of its CpuLayers, and once caches
+    are given (`use`), the KV pointers with each shape's max_len."""
+
+    def __init__(self, layers: list[CpuLayer]) -> None:
+        self.lib, self.num_layers = layers[0].lib, len(layers)
+        self.shapes = (_Shape * len(layers))(*(_Shape.from_buffer_copy(x.shape) for x in layers))
+        self.weights = (_P * len(layers))(*(ctypes.cast(x.weights, _P) for x in layers))
+        self.k = self.v = None
+
+    def use(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for sh, (k, _) in zip(self.shapes, caches):
+            sh.max_len = k.shape[2]
+        self.k = (_P * len(caches))(*(k.data_ptr() for k, _ in caches))
+        self.v = (_P * len(caches))(*(v.data_ptr() for _, v in caches))
+
+
 class LlamaChain(_Chain):
     """A draft model's chain (`specserve_llama_chain`); built by
     `LlamaForCausalLM.kernel_chain`."""
@@ -340,13 +358,8 @@ class LlamaChain(_Chain):
                  lm_head: torch.Tensor, vocab: int, cos_sin: torch.Tensor,
                  caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().__init__(layers[0].lib, cos_sin, caches, (embed, final_norm, lm_head))
-        self.layers, self.vocab = layers, vocab
-        self.shapes = (_Shape * len(layers))(*(_Shape.from_buffer_copy(x.shape) for x in layers))
-        for sh, (k, _) in zip(self.shapes, caches):
-            sh.max_len = k.shape[2]
-        self.weights = (_P * len(layers))(*(ctypes.cast(x.weights, _P) for x in layers))
-        self.k = (_P * len(layers))(*(k.data_ptr() for k, _ in caches))
-        self.v = (_P * len(layers))(*(v.data_ptr() for _, v in caches))
+        self.vocab, self.arrays = vocab, _LayerArrays(layers)
+        self.arrays.use(caches)
         self.lm_mode = weight_mode(lm_head)
 
     def __call__(self, first: list[int], positions: list[int], slots: list[int],
@@ -359,11 +372,12 @@ class LlamaChain(_Chain):
         tokens = torch.zeros(len(slots), n, dtype=torch.long)
         tokens[:, 0] = torch.tensor(first)
         cos_sin, emb, fin_n, lm = self.ptrs[:4]
+        a = self.arrays
         return self._call(self.lib.specserve_llama_chain,
-                          (self.shapes, len(self.layers), len(slots), n), slots, positions,
+                          (a.shapes, a.num_layers, len(slots), n), slots, positions,
                           budgets, threshold,
-                          (emb, fin_n, lm, self.lm_mode, self.vocab, cos_sin, self.weights,
-                           self.k, self.v), tokens)
+                          (emb, fin_n, lm, self.lm_mode, self.vocab, cos_sin, a.weights, a.k,
+                           a.v), tokens)
 
 
 class LlamaForward:
@@ -379,24 +393,24 @@ class LlamaForward:
         if not all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors):
             raise ValueError("LlamaForward: embedding, norm and rotary table must be "
                              "contiguous float32")
-        self.lib, self.layers, self._keep = layers[0].lib, layers, tensors
-        self.eps, self.max_positions = eps, cos_sin.shape[0]
-        self.shapes = (_Shape * len(layers))(*(_Shape.from_buffer_copy(x.shape) for x in layers))
-        self.weights = (_P * len(layers))(*(ctypes.cast(x.weights, _P) for x in layers))
+        self.lib, self._keep, self.eps = layers[0].lib, tensors, eps
+        self.arrays = _LayerArrays(layers)
         self._caches = None
-        self.k = self.v = None
         self._aux_ids: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _use(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Checks a new cache list once: its rows are indexed unchecked in C, and every
+        position a step writes (below the cache length) must have its rotary row."""
         if caches is self._caches:
             return
         if not all(k.is_contiguous() and v.is_contiguous() and k.dtype == torch.float32
                    for k, v in caches):
             raise ValueError("LlamaForward: KV cache tensors must be contiguous float32")
-        for sh, (k, _) in zip(self.shapes, caches):
-            sh.max_len = k.shape[2]
-        self.k = (_P * len(caches))(*(k.data_ptr() for k, _ in caches))
-        self.v = (_P * len(caches))(*(v.data_ptr() for _, v in caches))
+        rotary = self._keep[2].shape[0]
+        if any(k.shape[2] > rotary for k, _ in caches):
+            raise ValueError(f"LlamaForward: the KV cache holds more positions than the "
+                             f"rotary table ({rotary})")
+        self.arrays.use(caches)
         self._caches = caches
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, md,
@@ -404,10 +418,8 @@ class LlamaForward:
         """ids, positions (rotary) [T] long -> final hidden states [T, H], and with aux_layers
         also the inputs of those layers [T, len(aux_layers) * H]."""
         self._use(caches)
-        T, H = ids.shape[0], self.shapes[0].hidden
-        if int(positions.max()) >= self.max_positions:
-            raise ValueError(f"LlamaForward: position {int(positions.max())} is past the "
-                             f"rotary table ({self.max_positions} positions)")
+        a = self.arrays
+        T, H = ids.shape[0], a.shapes[0].hidden
         hidden = torch.empty(T, H)
         aux = torch.empty(T, len(aux_layers) * H) if aux_layers else None
         aux_ids = self._aux_ids.get(aux_layers)
@@ -416,9 +428,9 @@ class LlamaForward:
         mask = md.row_mask() if md.tree else None                       # [T, max_kv] bool
         embed, final_norm, cos_sin = self._keep
         rc = self.lib.specserve_llama_forward(
-            self.shapes, len(self.layers), T, ids.data_ptr(), md.token_slots.data_ptr(),
+            a.shapes, a.num_layers, T, ids.data_ptr(), md.token_slots.data_ptr(),
             md.positions.data_ptr(), positions.data_ptr(), embed.data_ptr(),
-            final_norm.data_ptr(), self.eps, cos_sin.data_ptr(), self.weights, self.k, self.v,
+            final_norm.data_ptr(), self.eps, cos_sin.data_ptr(), a.weights, a.k, a.v,
             None if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],
             len(aux_layers), aux_ids.data_ptr(), None if aux is None else aux.data_ptr(),
             hidden.data_ptr(), torch.get_num_threads())

@@ -147,14 +147,12 @@ def test_the_one_call_forward_equals_the_layer_by_layer_kernel_path(hf_model):
         store, rope, ctx, extra = tree_rows(10, 1, parents, len(parents))
         md = build_tree_metadata([2], [store], [ctx], [extra], torch.device("cpu"))
         with torch.inference_mode():
-            res.append(model(torch.tensor([3, 11, 12, 13, 14, 15]), torch.tensor(rope), md,
-                             cache.layers))
+            res.append((model(torch.tensor([3, 11, 12, 13, 14, 15]), torch.tensor(rope), md,
+                              cache.layers),))
         res.append([k[[0, 2], :, :30].clone() for k, _ in cache.layers])
-        outs.append(res)
-    for a, b in zip(*outs):
-        for x, y in zip(a if isinstance(a, (tuple, list)) else [a],
-                        b if isinstance(b, (tuple, list)) else [b]):
-            assert torch.equal(x, y)
+        outs.append([t for step in res for t in step])
+    assert len(outs[0]) == len(outs[1])
+    assert all(torch.equal(x, y) for x, y in zip(*outs))
 
 
 def test_eagle3_features_and_hidden_match_the_pytorch_path(llama_dir):
