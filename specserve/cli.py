@@ -114,7 +114,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                             k=args.num_speculative_tokens,
                             gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)),
                             draft_vocab=args.draft_vocab_size,
-                            init=Path(args.init) if args.init else None)
+                            init=Path(args.init) if args.init else None,
+                            refresh_vocab=args.refresh_draft_vocab)
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
     if args.kind == "lm":
@@ -199,6 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--draft-vocab-size", type=int, default=None,
                    help="eagle3: keep only this many most frequent target tokens in the head's "
                         "lm_head (default: the whole vocabulary)")
+    t.add_argument("--refresh-draft-vocab", action="store_true",
+                   help="eagle3 with --init: choose the draft vocabulary afresh (the most "
+                        "frequent tokens of this run's training text, target-generated "
+                        "continuations included) instead of keeping the init head's; its "
+                        "lm_head rows carry over for the tokens both keep")
     t.add_argument("--vocab-size", type=int, default=8192, help="lm: BPE vocabulary size")
     add_dataclass_args(t, TrainConfig, skip=("work_dir",))
     add_dataclass_args(t, ModelShape)
@@ -226,6 +232,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "train" and args.kind != "lm" and not args.target:
         raise SystemExit(f"specserve train {args.kind}: --target DIR is required")
+    if args.command == "train" and args.refresh_draft_vocab and not (
+            args.kind == "eagle3" and args.init and args.draft_vocab_size):
+        raise SystemExit("specserve train: --refresh-draft-vocab is for eagle3 with --init and "
+                         "--draft-vocab-size (the size of the new vocabulary)")
     if args.command == "train" and args.init and args.kind in ("lm", "unlikelihood"):
         raise SystemExit(f"specserve train {args.kind}: --init is for draft and heads "
                          "(unlikelihood fine-tunes --target itself)")

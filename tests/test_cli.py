@@ -51,3 +51,13 @@ def test_train_lm_and_draft_commands(tmp_path, capsys, monkeypatch):
     main(["train", "draft", "--target", str(tmp_path / "lm"), "--out", str(tmp_path / "d"),
           "--work-dir", str(tmp_path / "w2")] + size)
     assert (tmp_path / "d" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("args", [
+    ["eagle3", "--draft-vocab-size", "64"],                          # no --init
+    ["eagle3", "--init", "h"],                                       # no new vocabulary size
+    ["medusa", "--init", "h", "--draft-vocab-size", "64"]])          # not eagle3
+def test_refresh_draft_vocab_needs_eagle3_init_and_size(args, tmp_path):
+    with pytest.raises(SystemExit, match="--refresh-draft-vocab is for eagle3 with --init"):
+        main(["train", *args, "--target", "t", "--out", str(tmp_path / "o"),
+              "--refresh-draft-vocab"])

@@ -71,14 +71,15 @@ def corpus_openings(corpus: Corpus, num: int, seed: int) -> list[str]:
 
 
 def generated_tokens(target_dir: Path, corpus: Corpus, num: int, length: int, seed: int,
-                     temperature: float = 0.7) -> np.ndarray:
-    """Continuations the target writes from held-in corpus openings, prompt included."""
-    if num <= 0:
+                     temperature: float = 0.7, skip: int = 0) -> np.ndarray:
+    """Continuations the target writes from held-in corpus openings, prompt included: those
+    of openings skip..num - 1."""
+    if num <= skip:
         return np.zeros(0, dtype=np.int64)
     from specserve import LLM, SamplingParams
     llm = LLM(str(target_dir), device="cpu", seed=seed)
     tok = llm.get_tokenizer()
-    prompts = fit_prompts(llm, corpus_openings(corpus, num, seed), length)
+    prompts = fit_prompts(llm, corpus_openings(corpus, num, seed)[skip:], length)
     params = SamplingParams(temperature=temperature, seed=seed, max_tokens=length,
                             ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=True)
@@ -101,10 +102,21 @@ def mix_generated(train_ids: np.ndarray, generated: np.ndarray, share: float) ->
 def with_generated(train_ids: np.ndarray, gen: GeneratedData, target_dir: Path, corpus: Corpus,
                    work: Path, seed: int) -> np.ndarray:
     """`train_ids` mixed with the target's continuations (generated once, cached in `work`
-    under a name that records the settings, so other settings regenerate)."""
-    cache = work / (f"generated-{gen.num_generated}x{gen.generated_len}"
-                    f"-t{gen.generated_temperature:g}.npy")
-    if not cache.is_file():
-        np.save(cache, generated_tokens(target_dir, corpus, gen.num_generated, gen.generated_len,
-                                        seed, gen.generated_temperature))
-    return mix_generated(train_ids, np.load(cache), gen.generated_share)
+    under a name that records the settings, so other settings regenerate). Greedy ones extend
+    the largest smaller greedy cache of the same length there: openings come in a fixed order
+    and a greedy continuation depends on its opening alone."""
+    def cache(num: int) -> Path:
+        return work / f"generated-{num}x{gen.generated_len}-t{gen.generated_temperature:g}.npy"
+
+    path = cache(gen.num_generated)
+    if not path.is_file():
+        have = 0
+        if gen.generated_temperature == 0:
+            sizes = (int(f.name.split("-")[1].split("x")[0]) for f in
+                     work.glob(f"generated-*x{gen.generated_len}-t0.npy"))
+            have = max((n for n in sizes if n < gen.num_generated), default=0)
+        head = np.load(cache(have)) if have else np.zeros(0, dtype=np.int64)
+        np.save(path, np.concatenate([head, generated_tokens(
+            target_dir, corpus, gen.num_generated, gen.generated_len, seed,
+            gen.generated_temperature, skip=have)]))
+    return mix_generated(train_ids, np.load(path), gen.generated_share)

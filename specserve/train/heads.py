@@ -85,11 +85,18 @@ def build_head(method: str, target, k: int, draft_vocab: int | None = None,
     raise ValueError(f"unknown head method {method!r}; choose from {', '.join(HEAD_METHODS)}")
 
 
-def _init_from(head: nn.Module, method: str, d: Path, target) -> None:
+def _init_from(head: nn.Module, method: str, d: Path, target,
+               refresh_vocab: bool = False) -> None:
     """Copy the trained head in `d` into `head` (built for this run's shape); any mismatch (a
-    different K, draft vocabulary or width) is an error that names it."""
+    different K, draft vocabulary or width) is an error that names it. With `refresh_vocab`
+    (eagle3) `head` keeps the draft vocabulary it was built with (this run's most frequent
+    tokens, of any size): see `_remap_vocab`."""
+    if refresh_vocab and method != "eagle3":
+        raise ValueError("refreshing the draft vocabulary applies to eagle3 heads only")
     loaded = read_head(method, d, target)
     trained = loaded.state_dict()
+    if refresh_vocab:
+        trained = _remap_vocab(trained, head.d2t, target.lm_head.weight)
     own = head.state_dict()
     bad = sorted(k for k in own.keys() | trained.keys()
                  if k not in own or k not in trained or own[k].shape != trained[k].shape)
@@ -100,6 +107,29 @@ def _init_from(head: nn.Module, method: str, d: Path, target) -> None:
     head.load_state_dict(trained)
     if hasattr(loaded, "aux_layers"):           # eagle3: the target layers it was trained on
         head.aux_layers = loaded.aux_layers
+
+
+def _remap_vocab(trained: dict[str, torch.Tensor], d2t: torch.Tensor,
+                 target_lm_head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A trained eagle3 state dict moved to the draft vocabulary `d2t` [n]: a token both
+    vocabularies hold keeps its trained lm_head row; a new one starts from the target's row for
+    it, scaled by the mean row-norm ratio of the head to the target over the kept tokens (the
+    head's output space only approximates the target's, and training takes it from there)."""
+    old_ids = torch.arange(len(trained["d2t"])) + trained["d2t"]              # [n_old] target ids
+    new_ids = torch.arange(len(d2t)) + d2t                                     # [n] target ids
+    row_of = {int(t): j for j, t in enumerate(old_ids)}
+    rows = trained["lm_head.weight"]                                           # [n_old, H]
+    kept = [(j, row_of[int(t)]) for j, t in enumerate(new_ids) if int(t) in row_of]
+    if kept:
+        old_rows = rows[[o for _, o in kept]]
+        scale = old_rows.norm(dim=1).mean() / target_lm_head[old_ids[[o for _, o in kept]]].norm(
+            dim=1).mean()
+    else:
+        scale = rows.norm(dim=1).mean() / target_lm_head.norm(dim=1).mean()
+    lm = target_lm_head.detach()[new_ids] * scale                              # [n, H]
+    for j, o in kept:
+        lm[j] = rows[o]
+    return {**trained, "lm_head.weight": lm, "d2t": d2t.clone()}
 
 
 def _kl(logits: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
@@ -308,22 +338,25 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
 
 def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: int = 4,
                gen: GeneratedData | None = None, corpus: Corpus | None = None,
-               draft_vocab: int | None = None, init: Path | None = None) -> dict:
+               draft_vocab: int | None = None, init: Path | None = None,
+               refresh_vocab: bool = False) -> dict:
     """Train a head for `target_dir` (starting from the head in `init` when given), write it to
     `out`, return its tau evaluation."""
     return train_heads({method: out}, cfg, target_dir, k, gen, corpus, draft_vocab,
-                       {method: init} if init else None)[method]
+                       {method: init} if init else None, refresh_vocab)[method]
 
 
 def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: int = 4,
                 gen: GeneratedData | None = None, corpus: Corpus | None = None,
                 draft_vocab: int | None = None,
-                inits: dict[str, Path] | None = None) -> dict[str, dict]:
+                inits: dict[str, Path] | None = None,
+                refresh_vocab: bool = False) -> dict[str, dict]:
     """Train a head of each method in `outs` (method -> output directory) on the same batches,
     write each in its format, return each one's tau evaluation ({} while unfinished; a
     "skipped" note where the checkpoint is already past this schedule). A method in `inits`
     starts from that trained head (one trained for an earlier version of the target, say)
-    instead of fresh weights; a checkpoint in the work directory still wins. Several
+    instead of fresh weights (with `refresh_vocab`, an eagle3 head in `inits` moves to this
+    run's draft vocabulary: `_remap_vocab`); a checkpoint in the work directory still wins. Several
     methods share each step's target pass (medusa, mlp_speculator, eagle, mtp: the heads that
     read its last hidden state); the gradient-clipping norm grows with sqrt(number of heads), so
     each head is clipped about as it would be alone."""
@@ -342,7 +375,7 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
     counts = np.bincount(ids, minlength=target.args.vocab_size)
     heads = nn.ModuleDict({m: build_head(m, target, k, draft_vocab, counts) for m in methods})
     for m, d in (inits or {}).items():
-        _init_from(heads[m], m, Path(d), target)
+        _init_from(heads[m], m, Path(d), target, refresh_vocab)
     heads.to(device)
     for m, head in heads.items():
         print(f"{m} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "

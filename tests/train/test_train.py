@@ -163,6 +163,47 @@ def test_generated_share_of_the_training_text():
         GeneratedData(generated_share=1.0)
 
 
+def test_greedy_continuations_extend_a_smaller_cache(monkeypatch, tmp_path):
+    """More greedy continuations than a work directory holds: only the new openings are
+    generated, after the cached ones; sampled ones are generated whole."""
+    import specserve.train.generated as generated
+    calls = []
+
+    def fake(target_dir, corpus, num, length, seed, temperature, skip=0):
+        calls.append((num, skip))
+        return np.arange(skip, num) * 10           # one "token" per continuation
+    monkeypatch.setattr(generated, "generated_tokens", fake)
+    np.save(tmp_path / "generated-3x16-t0.npy", np.array([0, 10, 20]))
+    np.save(tmp_path / "generated-9x16-t0.npy", np.array([-1]))            # a larger one: unused
+    ids = generated.with_generated(np.zeros(0, dtype=np.int64), GeneratedData(
+        num_generated=5, generated_len=16, generated_temperature=0), Path("t"), None, tmp_path, 0)
+    assert calls == [(5, 3)] and ids.tolist() == [0, 10, 20, 30, 40]
+    assert np.load(tmp_path / "generated-5x16-t0.npy").tolist() == [0, 10, 20, 30, 40]
+    np.save(tmp_path / "generated-3x16-t0.7.npy", np.array([0, 10, 20]))
+    generated.with_generated(np.zeros(0, dtype=np.int64), GeneratedData(
+        num_generated=5, generated_len=16, generated_temperature=0.7), Path("t"), None,
+        tmp_path, 0)
+    assert calls[-1] == (5, 0)
+
+
+def test_refreshed_draft_vocab_keeps_the_rows_of_tokens_both_hold():
+    from specserve.train.heads import _remap_vocab
+    torch.manual_seed(0)
+    target_lm = torch.randn(10, 4)                                   # [V, H]
+    old_ids = torch.tensor([1, 3, 5, 7])
+    trained = {"lm_head.weight": 3 * target_lm[old_ids] + 0.01, "d2t": old_ids - torch.arange(4),
+               "fc.weight": torch.ones(2)}
+    new_ids = torch.tensor([0, 3, 7, 8, 9])                          # a larger vocabulary
+    out = _remap_vocab(trained, new_ids - torch.arange(5), target_lm)
+    assert torch.equal(out["d2t"], new_ids - torch.arange(5)) and out["fc.weight"] is trained["fc.weight"]
+    lm = out["lm_head.weight"]
+    assert torch.equal(lm[1], trained["lm_head.weight"][1]) and torch.equal(lm[2], trained["lm_head.weight"][3])
+    scale = (trained["lm_head.weight"][[1, 3]].norm(dim=1).mean()
+             / target_lm[[3, 7]].norm(dim=1).mean())
+    for j, t in ((0, 0), (3, 8), (4, 9)):
+        torch.testing.assert_close(lm[j], target_lm[t] * scale)
+
+
 def test_more_openings_than_files_start_at_later_lines(small_corpus):
     """Past one opening per file, later ones start at line starts further into the files; the
     first pass is each non-empty file's beginning (as the zoo recipe had)."""
@@ -275,6 +316,37 @@ def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path)
                           bf16=False, device="cpu")
         train_head(method, cfg, target, tmp_path / "x", k=3, gen=gen, corpus=small_corpus,
                    init=tmp_path / "first")
+
+
+def test_eagle3_training_from_init_can_refresh_its_draft_vocab(tiny_lm, small_corpus, tmp_path):
+    """--refresh-draft-vocab: the head takes this run's most frequent tokens (here a larger
+    vocabulary); with a zero learning rate the rows of tokens both vocabularies hold are the
+    init head's."""
+    from specserve.train.heads import train_head
+    target, _, _ = tiny_lm
+    gen = GeneratedData(num_generated=1, generated_len=8)
+
+    def run(work: str, out: str, lr: float, vocab: int, **kw) -> dict[str, torch.Tensor]:
+        cfg = TrainConfig(work_dir=str(tmp_path / work), steps=3, batch_size=2, seq_len=32,
+                          lr=lr, warmup=1, bf16=False, device="cpu")
+        train_head("eagle3", cfg, target, tmp_path / out, k=2, gen=gen, corpus=small_corpus,
+                   draft_vocab=vocab, **kw)
+        return load_file(str(tmp_path / out / "model.safetensors"))
+
+    first = run("w1", "first", 3e-3, 100)
+    again = run("w2", "again", 0.0, 150, init=tmp_path / "first", refresh_vocab=True)
+    old = (torch.arange(100) + first["d2t"]).tolist()
+    new = (torch.arange(150) + again["d2t"]).tolist()
+    assert set(old) < set(new) and len(set(new)) == 150
+    for j, t in enumerate(new):
+        if t in old:
+            assert torch.equal(again["lm_head.weight"][j], first["lm_head.weight"][old.index(t)])
+    assert torch.equal(again["fc.weight"], first["fc.weight"])
+    with pytest.raises(ValueError, match="eagle3 heads only"):
+        cfg = TrainConfig(work_dir=str(tmp_path / "w3"), steps=1, batch_size=2, seq_len=32,
+                          bf16=False, device="cpu")
+        train_head("medusa", cfg, target, tmp_path / "x", k=2, gen=gen, corpus=small_corpus,
+                   init=tmp_path / "first", refresh_vocab=True)
 
 
 def _assert_same_weights(a: Path, b: Path) -> None:
