@@ -28,7 +28,6 @@
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
-typedef uint16_t vh __attribute__((vector_size(VL * 2)));
 
 static inline vf loadv(const float *p) {
     vf v;
@@ -97,26 +96,19 @@ static float dot(const float *a, const float *b, int64_t n) {
     return r;
 }
 
-/* VL weights as floats: float32 as stored, or bfloat16 (the top half of a float32's bits) */
-static inline vf load_w(const void *p, int64_t k, int bf16) {
-    if (!bf16) return loadv((const float *)p + k);
-    vh h;
-    memcpy(&h, (const uint16_t *)p + k, sizeof h);
-    return (vf)(__builtin_convertvector(h, vi) << 16);
-}
-
 /* Weight modes (the packed layout and what the products take; cpu_kernel.pack_weight):
  * F32: float32 weights, float32 inputs; BF16: weights that bfloat16 holds exactly (checkpoints
  * stored in bfloat16), streamed in bfloat16: half the bytes, the same products; PAIRS:
- * bfloat16 weights and inputs (the inputs rounded to nearest even), accumulated in float32,
- * consecutive inputs interleaved in pairs: on CPUs with AVX512-BF16 one instruction takes 32
- * products, and no weight needs widening first. */
+ * bfloat16 weights and inputs (the inputs rounded to nearest even), accumulated in float32:
+ * on CPUs with AVX512-BF16 one instruction takes 32 products, and no weight needs widening
+ * first. BF16 and PAIRS interleave consecutive inputs in pairs: one 32-bit lane holds a
+ * column's weights for inputs 2i and 2i + 1, widened to float32 by a shift and a mask. */
 enum { F32, BF16, PAIRS };
 #define GROUP 4                 /* blocks a packed weight keeps input by input together */
 #define ROWS (ACC / GROUP)      /* rows a tile runs at once, GROUP accumulators each */
 
-/* Weights are packed as [ceil(out / (GROUP VL))][in][GROUP][VL] (F32, BF16) or
- * [..][in / 2][GROUP][VL][2] (PAIRS, `in` rounded up to even): groups of GROUP blocks of VL
+/* Weights are packed as [ceil(out / (GROUP VL))][in][GROUP][VL] (F32) or
+ * [..][in / 2][GROUP][VL][2] (BF16, PAIRS; `in` rounded up to even): groups of GROUP blocks of VL
  * output columns (specserve_block()), input by input, so that a tile of a whole group reads
  * one contiguous stream (on one thread, a one-row pass over the bundled target's weights took
  * a fifth less time than with each block's inputs contiguous: four streams). A tile of a
@@ -170,11 +162,31 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
                 }
             }
         }
+    } else if (mode == BF16) {  /* each output sums its products in input order, as F32 */
+        const float *x = xp;
+        const int64_t full = in / 2;
+        for (int64_t i = 0; i < full; i++)
+            for (int b = 0; b < GROUP; b++) {
+                vi w;
+                memcpy(&w, (const uint32_t *)wp + (i * GROUP + b) * VL, sizeof w);
+                const vf lo = (vf)(w << 16), hi = (vf)(w & (int32_t)0xffff0000u);
+                for (int t = 0; t < tb; t++) {
+                    acc[t][b] += lo * x[t * in + 2 * i];
+                    acc[t][b] += hi * x[t * in + 2 * i + 1];
+                }
+            }
+        if (in % 2)             /* the last input, without a partner */
+            for (int b = 0; b < GROUP; b++) {
+                vi w;
+                memcpy(&w, (const uint32_t *)wp + (full * GROUP + b) * VL, sizeof w);
+                const vf lo = (vf)(w << 16);
+                for (int t = 0; t < tb; t++) acc[t][b] += lo * x[t * in + in - 1];
+            }
     } else {
         const float *x = xp;
         for (int64_t i = 0; i < in; i++) {
             vf w[GROUP];
-            for (int b = 0; b < GROUP; b++) w[b] = load_w(wp, (i * GROUP + b) * VL, mode == BF16);
+            for (int b = 0; b < GROUP; b++) w[b] = loadv((const float *)wp + (i * GROUP + b) * VL);
             for (int t = 0; t < tb; t++) {
                 float xv = x[t * in + i];
                 for (int b = 0; b < GROUP; b++) acc[t][b] += w[b] * xv;
@@ -226,9 +238,9 @@ int specserve_max_rows(void) { return VL == 16 ? 512 : 48; }
 int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const float *bias,
                      int64_t out, int64_t in, float *y, int64_t ldy, int accumulate,
                      int nthreads) {
-    /* a packed row: in_x units (floats, bfloat16 values or bfloat16 pairs) of `unit` bytes;
-     * an input row: in_x floats or bfloat16 pairs, 4 bytes each */
-    const int64_t in_x = mode == PAIRS ? (in + 1) / 2 : in, unit = mode == BF16 ? 2 : 4;
+    /* an input row: in_x floats or bfloat16 pairs, 4 bytes each; a packed input: a float or
+     * a pair of bfloat16 values per column */
+    const int64_t in_x = mode == PAIRS ? (in + 1) / 2 : in, in_w = mode == F32 ? in : (in + 1) / 2;
     if (T == 0) return 0;
     const void *xs = x;
     uint32_t *pairs = NULL;
@@ -242,7 +254,7 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t c = 0; c < ntiles; c++) {
         float buf[ROWS * GROUP * VL];
-        const void *wt = (const char *)wp + c * in_x * GROUP * VL * unit;
+        const void *wt = (const char *)wp + c * in_w * GROUP * VL * 4;
         const int64_t o0 = c * width, m = out - o0 < width ? out - o0 : width;
         for (int64_t k = 0, t0 = 0; k < passes; k++) {
             const int64_t n = T / passes + (k < T % passes);

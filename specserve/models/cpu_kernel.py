@@ -117,26 +117,26 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False) -> torch.
     """float32 [out, in] -> the kernel's layout [ceil(out / (GROUP block)), in, GROUP, block]:
     groups of GROUP blocks of `block` output columns (the kernel's vector width,
     `lib.specserve_block()`), input by input, so that the weights a tile multiplies stream as
-    one run; the padding columns are zero and never stored. In bfloat16 when every weight is a
-    bfloat16 value (a checkpoint stored in bfloat16, like the bundled zoo): the products are
-    the same and the kernel streams half the bytes.
+    one run; the padding columns and inputs are zero and never used.
 
-    With `pairs` (bfloat16 weights that take bfloat16 inputs: the weight must hold bfloat16
-    values), bfloat16 [.., ceil(in / 2), GROUP, block, 2]: inputs 2i and 2i + 1 side by side."""
+    Weights that bfloat16 holds exactly (a checkpoint stored in bfloat16, like the bundled
+    zoo) are packed in bfloat16, inputs 2i and 2i + 1 side by side: the kernel streams half the
+    bytes and widens a pair per 32-bit lane. The products and sums are those of float32 weights.
+    Layout [.., ceil(in / 2), GROUP, 2 block]; with `pairs` (the inputs rounded to bfloat16
+    too: bfloat16 models; the weight must hold bfloat16 values) the same bytes as
+    [.., ceil(in / 2), GROUP, block, 2]: `weight_mode` tells the three apart."""
     out, inp = weight.shape
     w = weight.detach()
     if out % (GROUP * block):
         w = torch.cat([w, w.new_zeros(-out % (GROUP * block), inp)])
     as_bf16 = w.to(torch.bfloat16)
-    exact = torch.equal(as_bf16.float(), w)
-    if pairs:
-        if not exact:
+    if not torch.equal(as_bf16.float(), w):
+        if pairs:
             raise ValueError("pack_weight: pairs=True needs weights that bfloat16 holds exactly")
-        w = torch.cat([as_bf16, as_bf16.new_zeros(len(w), 1)], 1) if inp % 2 else as_bf16
-        return w.view(-1, GROUP, block, (inp + 1) // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
-    if exact:
-        w = as_bf16
-    return w.view(-1, GROUP, block, inp).permute(0, 3, 1, 2).contiguous()
+        return w.view(-1, GROUP, block, inp).permute(0, 3, 1, 2).contiguous()
+    w = torch.cat([as_bf16, as_bf16.new_zeros(len(w), 1)], 1) if inp % 2 else as_bf16
+    packed = w.view(-1, GROUP, block, (inp + 1) // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
+    return packed if pairs else packed.flatten(-2)
 
 
 def weight_mode(packed: torch.Tensor) -> int:

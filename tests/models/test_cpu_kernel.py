@@ -28,13 +28,21 @@ def test_linear_rows_matches_linear_for_any_shape_and_row_count():
                 w = w.to(torch.bfloat16).float()
             block = lib.specserve_block()
             packed = pack_weight(w, block)
-            assert packed.shape == (-(-out // (4 * block)), inp, 4, block)
+            tiles = -(-out // (4 * block))
+            if bf16_valued:             # inputs in pairs
+                assert packed.shape == (tiles, (inp + 1) // 2, 4, 2 * block)
+                padded = torch.cat([w, w.new_zeros(tiles * 4 * block - out, inp)])
+                as_f32 = padded.view(-1, 4, block, inp).permute(0, 3, 1, 2).contiguous()
+            else:
+                assert packed.shape == (tiles, inp, 4, block)
             assert (packed.dtype == torch.bfloat16) == bf16_valued
             for rows in (1, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 48, 101):
                 x = torch.randn(rows, inp, generator=g)
                 for bias in (None, b):
-                    torch.testing.assert_close(linear_rows(lib, x, packed, bias, out),
-                                               F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+                    y = linear_rows(lib, x, packed, bias, out)
+                    torch.testing.assert_close(y, F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+                    if bf16_valued:     # the float32 layout's products, summed in its order
+                        assert torch.equal(y, linear_rows(lib, x, as_f32, bias, out))
 
 
 def test_linear_rows_with_bfloat16_inputs_sums_their_exact_products():
