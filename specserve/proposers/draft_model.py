@@ -20,7 +20,7 @@ from specserve.models.cpu_kernel import max_rows
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model
 from specserve.proposers.base import Proposal, ProposeBatch
-from specserve.sampling.sampler import sample_from
+from specserve.sampling.sampler import greedy_ids, sample_from
 
 
 @dataclass
@@ -63,7 +63,7 @@ class DraftModelProposer:
     def _pick(self, logits: torch.Tensor, reqs) -> tuple[list[int], list[torch.Tensor | None]]:
         """Next draft token per row: argmax, or a temperature sample with its probabilities."""
         if not self.sample:
-            return logits.argmax(dim=-1).tolist(), [None] * len(reqs)
+            return greedy_ids(logits), [None] * len(reqs)
         toks, probs = [], []
         for row, r in zip(logits, reqs):
             if r.params.is_greedy:
@@ -105,7 +105,7 @@ class DraftModelProposer:
         for r in reqs:
             self.state[r.request_id].num_computed = r.num_tokens
         if self.chain is not None and len(reqs) <= max_rows(self.chain.lib):
-            first = logits.argmax(dim=-1).tolist()
+            first = greedy_ids(logits)
             if self.threshold:          # a first draft below it is the only one
                 budgets = [n if ok else 1 for n, ok in zip(budgets, self._sure(logits, first))]
             drafts = self.chain(first, [r.num_tokens for r in reqs], [r.slot for r in reqs],

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.sampling.sampler import process_logits, sample_from
+from specserve.sampling.sampler import greedy_ids, process_logits, sample_from
 from specserve.sampling_params import SamplingParams
 
 PLACEHOLDER_TOKEN_ID = -1
@@ -60,7 +60,7 @@ def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "stric
 
     greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
     if greedy:
-        argmax = logits.argmax(dim=-1).tolist()          # one sync for all rows
+        argmax = greedy_ids(logits)                      # one sync for all rows
     random_ids = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
     probs_of: dict[int, torch.Tensor] = {}
     if random_ids:

@@ -40,6 +40,15 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return probs
 
 
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of logits [N, V] (the first of equal maxima). On the CPU through
+    NumPy: over 5 rows of 8192 float32 logits torch's argmax took about 45 us and NumPy's 5
+    (torch 2.13, a throwaway timing); a greedy engine step makes one."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from probs [V] (need not be normalised) with the request's generator."""
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -53,3 +53,13 @@ def test_rows_use_their_own_params():
     probs = process_logits(LOGITS.repeat(2, 1), [SamplingParams(temperature=1.0, top_k=1),
                                                  SamplingParams(temperature=1.0)])
     assert (probs[0] > 0).sum() == 1 and (probs[1] > 0).sum() == 5
+
+
+def test_greedy_ids_take_the_first_of_equal_maxima_like_torch():
+    from specserve.sampling.sampler import greedy_ids
+    x = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    x[1, 7] = x[1, 30] = x[1].max() + 1                      # a tie: the first one wins
+    x[2, 4] = float("nan")                                   # NaN counts as the maximum
+    for t in (x, x.to(torch.bfloat16), x[:, ::2]):           # NumPy path, torch path, strided
+        assert greedy_ids(t) == t.argmax(dim=-1).tolist()
+    assert greedy_ids(x)[1] == 7 and greedy_ids(x)[2] == 4
