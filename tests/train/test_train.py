@@ -468,8 +468,11 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(zoo, "train_draft", lambda *a, **k: 1.0)
     calls = []
 
+    refreshed = []
+
     def heads(outs, cfg, *a, **k):
         calls.append(cfg.steps)
+        refreshed.append(k.get("refresh_vocab", False))
         first = cfg.steps == min(s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st)
         return {m: {"skipped": "past"} if first else {"tau": 2.0} for m in outs}
 
@@ -477,6 +480,8 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     zoo.build_zoo(str(tmp_path / "models"), str(tmp_path / "work"))
     assert calls == ([s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st]
                      + [s for s, _ in zoo.RETARGET_HEADS.values()]
-                     + [s for s, _ in zoo.RETARGET_EAGLE3_MORE])
+                     + [s.steps for s in zoo.RETARGET_EAGLE3_MORE])
+    assert refreshed[-len(zoo.RETARGET_EAGLE3_MORE):] == [
+        s.refresh_vocab for s in zoo.RETARGET_EAGLE3_MORE]
     out = capsys.readouterr().out
     assert "past" in out and "tau 2.00 at K=4" in out
