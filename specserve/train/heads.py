@@ -117,18 +117,14 @@ def _remap_vocab(trained: dict[str, torch.Tensor], d2t: torch.Tensor,
     head's output space only approximates the target's, and training takes it from there)."""
     old_ids = torch.arange(len(trained["d2t"])) + trained["d2t"]              # [n_old] target ids
     new_ids = torch.arange(len(d2t)) + d2t                                     # [n] target ids
-    row_of = {int(t): j for j, t in enumerate(old_ids)}
+    row_of = {t: j for j, t in enumerate(old_ids.tolist())}
+    both = [j for j, t in enumerate(new_ids.tolist()) if t in row_of]          # new draft ids
+    kept = [row_of[int(new_ids[j])] for j in both]                             # their old ids
+    ref = kept or list(range(len(old_ids)))              # the rows the scale is measured on
     rows = trained["lm_head.weight"]                                           # [n_old, H]
-    kept = [(j, row_of[int(t)]) for j, t in enumerate(new_ids) if int(t) in row_of]
-    if kept:
-        old_rows = rows[[o for _, o in kept]]
-        scale = old_rows.norm(dim=1).mean() / target_lm_head[old_ids[[o for _, o in kept]]].norm(
-            dim=1).mean()
-    else:
-        scale = rows.norm(dim=1).mean() / target_lm_head.norm(dim=1).mean()
+    scale = rows[ref].norm(dim=1).mean() / target_lm_head[old_ids[ref]].norm(dim=1).mean()
     lm = target_lm_head.detach()[new_ids] * scale                              # [n, H]
-    for j, o in kept:
-        lm[j] = rows[o]
+    lm[both] = rows[kept]
     return {**trained, "lm_head.weight": lm, "d2t": d2t.clone()}
 
 

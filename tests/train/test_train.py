@@ -195,11 +195,11 @@ def test_refreshed_draft_vocab_keeps_the_rows_of_tokens_both_hold():
                "fc.weight": torch.ones(2)}
     new_ids = torch.tensor([0, 3, 7, 8, 9])                          # a larger vocabulary
     out = _remap_vocab(trained, new_ids - torch.arange(5), target_lm)
-    assert torch.equal(out["d2t"], new_ids - torch.arange(5)) and out["fc.weight"] is trained["fc.weight"]
-    lm = out["lm_head.weight"]
-    assert torch.equal(lm[1], trained["lm_head.weight"][1]) and torch.equal(lm[2], trained["lm_head.weight"][3])
-    scale = (trained["lm_head.weight"][[1, 3]].norm(dim=1).mean()
-             / target_lm[[3, 7]].norm(dim=1).mean())
+    assert torch.equal(out["d2t"], new_ids - torch.arange(5))
+    assert out["fc.weight"] is trained["fc.weight"]
+    lm, old = out["lm_head.weight"], trained["lm_head.weight"]
+    assert torch.equal(lm[1], old[1]) and torch.equal(lm[2], old[3])        # tokens 3 and 7
+    scale = old[[1, 3]].norm(dim=1).mean() / target_lm[[3, 7]].norm(dim=1).mean()
     for j, t in ((0, 0), (3, 8), (4, 9)):
         torch.testing.assert_close(lm[j], target_lm[t] * scale)
 
