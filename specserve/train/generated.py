@@ -105,15 +105,14 @@ def with_generated(train_ids: np.ndarray, gen: GeneratedData, target_dir: Path, 
     under a name that records the settings, so other settings regenerate). Greedy ones extend
     the largest smaller greedy cache of the same length there: openings come in a fixed order
     and a greedy continuation depends on its opening alone."""
-    def cache(num: int) -> Path:
+    def cache(num: int | str) -> Path:
         return work / f"generated-{num}x{gen.generated_len}-t{gen.generated_temperature:g}.npy"
 
     path = cache(gen.num_generated)
     if not path.is_file():
         have = 0
         if gen.generated_temperature == 0:
-            sizes = (int(f.name.split("-")[1].split("x")[0]) for f in
-                     work.glob(f"generated-*x{gen.generated_len}-t0.npy"))
+            sizes = (int(f.name.split("-")[1].split("x")[0]) for f in work.glob(cache("*").name))
             have = max((n for n in sizes if n < gen.num_generated), default=0)
         head = np.load(cache(have)) if have else np.zeros(0, dtype=np.int64)
         np.save(path, np.concatenate([head, generated_tokens(

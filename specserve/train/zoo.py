@@ -118,14 +118,11 @@ class EagleStage(NamedTuple):
 # from corpus text, held 95.4% of the target's greedy tokens, the new one 97.7%), tau (run 43,
 # bfloat16) 2.73 -> 2.79 and 3.06 -> 3.19.
 RETARGET_EAGLE3_MORE: list[EagleStage] = [
-    EagleStage(600, GeneratedData(num_generated=4096, generated_temperature=0,
-                                  generated_share=0.5)),
-    EagleStage(1800, GeneratedData(num_generated=8192, generated_temperature=0,
-                                   generated_share=0.6)),
-    EagleStage(1800, GeneratedData(num_generated=8192, generated_temperature=0,
-                                   generated_share=0.6)),
-    EagleStage(1800, GeneratedData(num_generated=10470, generated_temperature=0,
-                                   generated_share=0.6), refresh_vocab=True)]
+    EagleStage(600, dataclasses.replace(GREEDY, num_generated=4096, generated_share=0.5)),
+    EagleStage(1800, dataclasses.replace(GREEDY, num_generated=8192, generated_share=0.6)),
+    EagleStage(1800, dataclasses.replace(GREEDY, num_generated=8192, generated_share=0.6)),
+    EagleStage(1800, dataclasses.replace(GREEDY, num_generated=10470, generated_share=0.6),
+               refresh_vocab=True)]
 
 
 def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
