@@ -142,8 +142,10 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                md: AttentionMetadata | None, cache: tuple[torch.Tensor, torch.Tensor] | None
-                ) -> torch.Tensor:
+                md: AttentionMetadata | None,
+                cache: tuple[torch.Tensor, torch.Tensor] | list | None) -> torch.Tensor:
+        """cache: this layer's KV cache when md is given; in training (md None) optionally the
+        list of earlier unrolled passes' keys and values (see `_unrolled`), appended to."""
         lead = x.shape[:-1]                                      # [T] or [B, S]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
@@ -156,12 +158,34 @@ class Attention(nn.Module):
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = apply_rotary(self.q_norm(q.view(*lead, H, D)), cos_sin)
             k = apply_rotary(self.k_norm(k.view(*lead, Hkv, D)), cos_sin)
-        if md is None:                                           # training: dense causal
-            o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                is_causal=True, scale=self.scale, enable_gqa=True)   # [B, H, S, D]
+        if md is None:                                           # training
+            if cache:
+                o = self._unrolled(q, k, v, cache)
+            else:                                                # dense causal
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                    is_causal=True, scale=self.scale, enable_gqa=True)   # [B, H, S, D]
+            if cache is not None:
+                cache.append((k, v))
             return self.o_proj(o.transpose(1, 2).reshape(*lead, self.q_size))
         return self.o_proj(self._cached(q, k, v, md, cache))
+
+    def _unrolled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """EAGLE-3's training-time test: pass j of a head unrolled over a sequence, whose row i
+        is the (j+1)-th draft after position i, attends as the drafting chain does: to rows 0..i
+        of the first pass (the target-fed context) and to row i of passes 1..j (its own earlier
+        drafts). q: [B, n, H, D]; k, v: [B, n, Hkv, D]; `earlier`: the keys and values of passes
+        0..j-1, each with at least n rows (row i = position i)."""
+        n, j = q.shape[1], len(earlier)
+        keys = torch.cat([e[0][:, :n] for e in earlier] + [k], 1)       # [B, n * (j+1), Hkv, D]
+        values = torch.cat([e[1][:, :n] for e in earlier] + [v], 1)
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        own = torch.eye(n, dtype=torch.bool, device=q.device)
+        mask = torch.cat([causal] + [own] * j, 1)                          # [n, n * (j+1)]
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+            scale=self.scale, enable_gqa=True)                             # [B, H, n, D]
 
     def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -9,8 +9,9 @@ tokens, because acceptance is agreement with the target:
 - eagle: layer(fc([embed(x_t+1); h_t])) vs the target at t+1, plus feature regression to h_t+1
   (smooth L1, as in EAGLE);
 - eagle3: the same over fc-fused aux states and the draft vocabulary, unrolled for K draft
-  steps: each further pass feeds the head's own outputs back (a short form of EAGLE-3's
-  training-time test; with fewer passes than K, the last drafts were never trained);
+  steps (EAGLE-3's training-time test): each further pass feeds the head's own outputs back and
+  attends as the drafting chain does (`unrolled_drafts`; with fewer passes than K, the last
+  drafts were never trained);
 - mtp: the MTP layer over (h_t, x_t+1) vs the target at t+1.
 The result is written in the public format the loader reads, then tau is measured on held-out
 prompts.
@@ -194,27 +195,36 @@ def _method_loss(method: str, head: nn.Module, x, pos, h, aux, logp, k: int):
         loss = sum(losses) / len(losses)
         return loss, {"loss": loss.item(), "kl_stage0": losses[0].item()}
     # eagle / eagle3 / mtp: pairs (state at t, token t+1) for t = 0..S-2
-    tok, hin = x[:, 1:], (aux if method == "eagle3" else h)[:, :-1]
-    out = head(tok, head.fuse_target(hin), pos[:, :-1], None, None)        # [B, S-1, H]
-    head_logits = head.draft_logits          # eagle3: its own vocabulary
-    kl = _kl(head_logits(out), logp[:, 1:])
-    values = {"kl": kl.item()}
-    loss = kl
+    if method == "eagle3":
+        outs = unrolled_drafts(head, x, aux, pos, k)
+        kls = [_kl(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]
+        loss = sum(kls) / len(kls)
+        values = {"kl": kls[0].item()} | {f"kl_step{j + 1}": kl.item()
+                                          for j, kl in enumerate(kls[1:], 1)}
+        return loss, values | {"loss": loss.item()}
+    out = head(x[:, 1:], head.fuse_target(h[:, :-1]), pos[:, :-1], None, None)  # [B, S-1, H]
+    loss = _kl(head.logits(out), logp[:, 1:])
+    values = {"kl": loss.item()}
     if method == "eagle":
         reg = F.smooth_l1_loss(out.float(), h[:, 1:].float())
         loss = loss * 0.1 + reg
         values["feature_l1"] = reg.item()
-    if method == "eagle3":
-        # Further passes: the head's own output at t-1 replaces the target state at t, as
-        # when it drafts its 2nd, 3rd, ... token.
-        kls = [kl]
-        for j in range(1, k):
-            out = head(tok[:, j:], out[:, :-1], pos[:, j:-1], None, None)
-            kls.append(_kl(head_logits(out), logp[:, j + 1:]))
-            values[f"kl_step{j + 1}"] = kls[-1].item()
-        loss = sum(kls) / len(kls)
-    values["loss"] = loss.item()
-    return loss, values
+    return loss, values | {"loss": loss.item()}
+
+
+def unrolled_drafts(head: nn.Module, x: torch.Tensor, aux: torch.Tensor, pos: torch.Tensor,
+                    k: int) -> list[torch.Tensor]:
+    """An EAGLE-3 head unrolled for k draft steps over every position of x [B, S] at once (its
+    training-time test): pass 0 reads the pairs (target aux state at t, token t+1); pass j feeds
+    the head's own output of pass j-1 with token t+j+1, attending as the drafting chain would
+    (`Attention._unrolled`). Returns k outputs; row t of output j [B, S-1-j, H] drafts token
+    t+j+2, as the chain started after position t would."""
+    earlier: list = []                       # keys and values of the passes so far
+    tok = x[:, 1:]
+    outs = [head(tok, head.fuse_target(aux[:, :-1]), pos[:, :-1], None, earlier)]
+    for j in range(1, k):
+        outs.append(head(tok[:, j:], outs[-1][:, :-1], pos[:, j:-1], None, earlier))
+    return outs
 
 
 # ---- writing the public formats -------------------------------------------------------------

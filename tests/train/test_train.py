@@ -318,6 +318,38 @@ def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path)
                    init=tmp_path / "first")
 
 
+def test_eagle3_unrolled_training_drafts_as_the_chain_does(tiny_lm):
+    """The training-time test: pass j at row t equals the KV-cached drafting chain started after
+    position t (context ingested with target states, then j drafts fed back), for every t."""
+    from specserve.engine.runner import ragged_inputs
+    from specserve.kv_cache import KVCache
+    from specserve.models.loader import load_model
+    from specserve.train.heads import build_head, unrolled_drafts
+    target = load_model(tiny_lm[0], torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    head = build_head("eagle3", target, k=3).float()
+    for p in head.parameters():             # a fresh head's zero-ish weights would hide errors
+        p.data.normal_(0, 0.3)
+    S, k, a = 12, 3, head.args
+    x = torch.randint(0, target.args.vocab_size, (1, S))
+    aux = torch.randn(1, S, 3 * a.hidden_size)
+    pos = torch.arange(S)[None]
+    with torch.no_grad():
+        outs = unrolled_drafts(head, x, aux, pos, k)
+        tok = x[0, 1:].tolist()
+        for t in range(S - k):
+            cache = KVCache(1, 1, a.num_key_value_heads, S, a.head_dim, torch.float32,
+                            torch.device("cpu")).layers[0]
+            ids, positions, md = ragged_inputs([tok[:t + 1]], [0], [0], torch.device("cpu"))
+            out = head(ids, head.fuse_target(aux[0, :t + 1]), positions, md, cache)[-1:]
+            torch.testing.assert_close(out[0], outs[0][0, t])
+            for j in range(1, k):
+                ids, positions, md = ragged_inputs([[tok[t + j]]], [t + j], [0],
+                                                   torch.device("cpu"))
+                out = head(ids, out, positions, md, cache)
+                torch.testing.assert_close(out[0], outs[j][0, t], atol=1e-5, rtol=1e-4)
+
+
 def test_eagle3_training_from_init_can_refresh_its_draft_vocab(tiny_lm, small_corpus, tmp_path):
     """--refresh-draft-vocab: the head takes this run's most frequent tokens (here a larger
     vocabulary); with a zero learning rate the rows of tokens both vocabularies hold are the
