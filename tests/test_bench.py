@@ -97,8 +97,13 @@ class _Runner:
     """A runner that writes `token` max_tokens times and checks that no round sees an earlier
     round's prompts."""
 
-    def __init__(self, name: str, dtype: str = "float32", token: int = 1) -> None:
+    def __init__(self, name: str, dtype: str = "float32", token: int = 1,
+                 tpot: float | None = None) -> None:
         self.name, self.dtype, self.token, self.rounds, self.seen = name, dtype, token, 0, set()
+        self.tpot = tpot
+
+    def tpot_ms(self):
+        return self.tpot
 
     def new_round(self):
         self.rounds += 1
@@ -132,6 +137,32 @@ def test_greedy_outputs_are_compared_with_the_no_spec_of_their_dtype():
     results = {r.name: r for r in run_suite(runners, ["p", "q", "r"], batch=2, max_tokens=3,
                                              rounds=1)}
     assert [results[n].same_output for n in "abcd"] == ["3/3", "3/3", "3/3", "0/3"]
+
+
+def test_table_shows_decode_speedup_from_tpot():
+    """TPOT (decode alone) beside tokens/s: its speedup is against the base's TPOT; runners
+    without per-token times (transformers) leave both cells empty."""
+    from specserve.bench.offline import _table, run_suite
+    runners = [_Runner("base", tpot=3.0), _Runner("fast", tpot=1.5), _Runner("peer")]
+    results = run_suite(runners, ["p", "q"], batch=1, max_tokens=3, rounds=2)
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in _table(
+        results, "base").splitlines()[2:]}
+    assert rows["base"][3:5] == ["3.00", "1.00x"]
+    assert rows["fast"][3:5] == ["1.50", "2.00x"]
+    assert rows["peer"][3:5] == ["", ""]
+
+
+def test_specserve_runner_times_each_request_after_its_first_token(llama_dir):
+    from specserve.bench.offline import SpecserveRunner
+    r = SpecserveRunner("plain", str(llama_dir), None, "float32")
+    r.new_round()
+    r.run([TokensPrompt(prompt_token_ids=[1, 2, 3]), TokensPrompt(prompt_token_ids=[4, 5])],
+          max_tokens=6)
+    r.run([TokensPrompt(prompt_token_ids=[6])], max_tokens=1)   # one token: no time per token
+    assert len(r.tpots) == 2 and all(t > 0 for t in r.tpots)
+    assert r.tpot_ms() == sum(r.tpots) / 2          # the median of two
+    r.new_round()
+    assert r.tpot_ms() is None
 
 
 def test_hybrid_runner_notes_the_share_of_lookup_drafts(llama_dir, draft_dir):

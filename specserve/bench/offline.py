@@ -29,6 +29,9 @@ from specserve.token_tree import TokenTree
 class Result:
     name: str
     tokens_per_s: list[float] = field(default_factory=list)
+    # per round, the median over requests of (finish - first token) / (tokens - 1): decode
+    # alone, as vLLM's TPOT (tokens/s above include each prompt's prefill)
+    tpot_ms: list[float] = field(default_factory=list)
     tau: float | None = None
     acceptance_rate: float | None = None
     per_pos: list[float] | None = None
@@ -38,6 +41,10 @@ class Result:
     @property
     def median(self) -> float:
         return statistics.median(self.tokens_per_s)
+
+    @property
+    def tpot(self) -> float | None:
+        return statistics.median(self.tpot_ms) if self.tpot_ms else None
 
 
 def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
@@ -116,6 +123,7 @@ class SpecserveRunner:
         self.llm = LLM(target, speculative_config=spec, dtype=dtype, device="cpu",
                        max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel)
         self.spec, self.dtype = spec, dtype
+        self.tpots: list[float] = []        # ms per decoded token of each request this round
 
     def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0
             ) -> list[list[int]]:
@@ -124,11 +132,21 @@ class SpecserveRunner:
         sp = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
                              ignore_eos=True) for i in range(len(prompts))]
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            if n > 1:
+                self.tpots.append(1e3 * (o.metrics["finish_time"] - o.metrics["first_token_time"])
+                                  / (n - 1))
         return [o.outputs[0].token_ids for o in outs]
+
+    def tpot_ms(self) -> float | None:
+        """The median time per output token after the first over this round's requests."""
+        return statistics.median(self.tpots) if self.tpots else None
 
     def new_round(self) -> None:
         """Forget what earlier rounds taught the drafter (suffix's past responses: the same
         prompts come again)."""
+        self.tpots.clear()
         forget = getattr(self.llm.engine.proposer, "forget_responses", None)
         if forget is not None:
             forget()
@@ -187,6 +205,9 @@ class TransformersRunner:
     def new_round(self) -> None:
         pass
 
+    def tpot_ms(self) -> None:
+        return None                         # generate() reports no per-token times
+
     def acceptance(self):
         return None
 
@@ -213,6 +234,8 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
             outputs[r.name] = [ids for g in groups for ids in r.run(g, max_tokens, temperature)]
             n = sum(len(ids) for ids in outputs[r.name])
             results[r.name].tokens_per_s.append(n / (time.perf_counter() - t))
+            if (tpot := r.tpot_ms()) is not None:
+                results[r.name].tpot_ms.append(tpot)
     first = {}
     for r in runners:
         first.setdefault(r.dtype, r.name)
@@ -230,14 +253,18 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
 
 
 def _table(results: list[Result], base: str) -> str:
-    ref = next(r.median for r in results if r.name == base)
-    rows = ["| configuration | tokens/s (median) | speedup vs no-spec | tau | acceptance rate "
-            "| per-position acceptance | greedy output = no-spec |",
-            "|---|---:|---:|---:|---:|---|---:|"]
+    ref = next(r for r in results if r.name == base)
+    rows = ["| configuration | tokens/s (median) | speedup vs no-spec | TPOT ms (median) "
+            "| decode speedup | tau | acceptance rate | per-position acceptance "
+            "| greedy output = no-spec |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in results:
         pp = "" if r.per_pos is None else ", ".join(f"{x:.2f}" for x in r.per_pos)
         name = r.name if r.note is None else f"{r.name}, {r.note}"
-        rows.append(f"| {name} | {r.median:.1f} | {r.median / ref:.2f}x | "
+        tpot = "" if r.tpot is None else f"{r.tpot:.2f}"
+        decode = f"{ref.tpot / r.tpot:.2f}x" if r.tpot and ref.tpot else ""
+        rows.append(f"| {name} | {r.median:.1f} | {r.median / ref.median:.2f}x | {tpot} | "
+                    f"{decode} | "
                     f"{'' if r.tau is None else f'{r.tau:.2f}'} | "
                     f"{'' if r.acceptance_rate is None else f'{r.acceptance_rate:.1%}'} | {pp} | "
                     f"{r.same_output or ''} |")
