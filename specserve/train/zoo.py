@@ -12,7 +12,7 @@ Stages (each resumes from its checkpoint in `<work>/`):
 5. models/code-target: 150 more unlikelihood steps on 128-token rollouts (`TARGET_UL[1]`);
 6. models/code-draft and models/code-target-{eagle,eagle3,medusa,mlp-speculator,mtp}: the
    stage-1 draft and heads fine-tuned for that target (`retarget`, `RETARGET_*`), EAGLE-3 then
-   four times more on more greedy text (`RETARGET_EAGLE3_MORE`).
+   five times more on more greedy text (`RETARGET_EAGLE3_MORE`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class EagleStage(NamedTuple):
     refresh_vocab: bool = False     # the draft vocabulary afresh from this stage's text
 
 
-# Then EAGLE-3 four times more, each stage from the previous head, at the same learning rate,
+# Then EAGLE-3 five times more, each stage from the previous head, at the same learning rate,
 # on more of the target's greedy continuations (every training file's opening, then later
 # lines of them): half its windows from 4096 of them, tau at K=4 (`bench latency`, RESULTS run
 # 36) 2.48 -> 2.54 on completion prompts, 2.58 -> 2.82 on editing prompts; then 60% from 8192,
@@ -116,13 +116,17 @@ class EagleStage(NamedTuple):
 # 2.68 -> 2.73 and 2.95 -> 3.06; then 60% from all 10470 openings (16 per file at most), with
 # the 2048 draft tokens chosen again from that text (in a throwaway count the first vocabulary,
 # from corpus text, held 95.4% of the target's greedy tokens, the new one 97.7%), tau (run 43,
-# bfloat16) 2.73 -> 2.79 and 3.06 -> 3.19.
+# bfloat16) 2.73 -> 2.79 and 3.06 -> 3.19; then 1500 steps on the same text with the
+# training-time test attending as the drafting chain does (`unrolled_drafts`; the stages before
+# trained passes 2-4 against the previous pass's outputs at every position), tau (run 48,
+# float32) 2.79 -> 2.85 and 3.23 -> 3.37, the 3rd and 4th drafts gaining most.
 RETARGET_EAGLE3_MORE: list[EagleStage] = [
     EagleStage(600, dataclasses.replace(GREEDY, num_generated=4096, generated_share=0.5)),
     EagleStage(1800, dataclasses.replace(GREEDY, num_generated=8192, generated_share=0.6)),
     EagleStage(1800, dataclasses.replace(GREEDY, num_generated=8192, generated_share=0.6)),
     EagleStage(1800, dataclasses.replace(GREEDY, num_generated=10470, generated_share=0.6),
-               refresh_vocab=True)]
+               refresh_vocab=True),
+    EagleStage(1500, dataclasses.replace(GREEDY, num_generated=10470, generated_share=0.6))]
 
 
 def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
