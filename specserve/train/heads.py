@@ -199,8 +199,7 @@ def _method_loss(method: str, head: nn.Module, x, pos, h, aux, logp, k: int):
         outs = unrolled_drafts(head, x, aux, pos, k)
         kls = [_kl(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]
         loss = sum(kls) / len(kls)
-        values = {"kl": kls[0].item()} | {f"kl_step{j + 1}": kl.item()
-                                          for j, kl in enumerate(kls[1:], 1)}
+        values = {"kl" if j == 0 else f"kl_step{j + 1}": kl.item() for j, kl in enumerate(kls)}
         return loss, values | {"loss": loss.item()}
     out = head(x[:, 1:], head.fuse_target(h[:, :-1]), pos[:, :-1], None, None)  # [B, S-1, H]
     loss = _kl(head.logits(out), logp[:, 1:])
