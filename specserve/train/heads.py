@@ -3,7 +3,8 @@
 Training data come from the target itself: its hidden states and next-token distributions over
 corpus text and over continuations it generates (so the head learns the target's own
 trajectories). Every head is trained against the target's distribution (KL), not the corpus
-tokens, because acceptance is agreement with the target:
+tokens, because acceptance is agreement with the target (`--top1-weight` adds a cross-entropy
+to the target's most likely token: greedy verification accepts that token only):
 - medusa: head i on h_t vs the target's distribution for token t+i+2;
 - mlp_speculator: stage i (teacher-forced with the true tokens) vs the target at t+i+1;
 - eagle: layer(fc([embed(x_t+1); h_t])) vs the target at t+1, plus feature regression to h_t+1
@@ -129,10 +130,16 @@ def _remap_vocab(trained: dict[str, torch.Tensor], d2t: torch.Tensor,
     return {**trained, "lm_head.weight": lm, "d2t": d2t.clone()}
 
 
-def _kl(logits: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
-    """KL(target || head) averaged over positions; both [..., V]."""
-    return F.kl_div(F.log_softmax(logits.float(), -1).flatten(0, -2),
-                    target_logp.flatten(0, -2), log_target=True, reduction="batchmean")
+def _distill(logits: torch.Tensor, target_logp: torch.Tensor,
+             top1_weight: float = 0.0) -> torch.Tensor:
+    """KL(target || head) averaged over positions, plus top1_weight x the cross-entropy to the
+    target's most likely token (the only draft greedy verification accepts); both [..., V]."""
+    logp = F.log_softmax(logits.float(), -1).flatten(0, -2)                  # [N, V]
+    target_logp = target_logp.flatten(0, -2)
+    loss = F.kl_div(logp, target_logp, log_target=True, reduction="batchmean")
+    if top1_weight:
+        loss = loss + top1_weight * F.nll_loss(logp, target_logp.argmax(-1))
+    return loss
 
 
 def _target_pass(target, x: torch.Tensor, aux_layers: tuple[int, ...],
@@ -151,20 +158,21 @@ def _target_pass(target, x: torch.Tensor, aux_layers: tuple[int, ...],
         return pos, h, aux, F.log_softmax(logits, -1)
 
 
-def head_loss(method: str, head: nn.Module, target, k: int):
+def head_loss(method: str, head: nn.Module, target, k: int, top1_weight: float = 0.0):
     """Loss function over a token batch [B, S + 1] (see the module docstring); eagle3 is
-    unrolled for the k draft steps it serves at K = k."""
+    unrolled for the k draft steps it serves at K = k. top1_weight: see `_distill`."""
     aux_layers = tuple(getattr(head, "aux_layers", ()))
 
     def fn(xy: torch.Tensor):
         x = xy[:, :-1]                                                     # [B, S]
         # eagle3: the target's distribution over the draft vocabulary
         vocab = head.draft_to_target() if method == "eagle3" else None
-        return _method_loss(method, head, x, *_target_pass(target, x, aux_layers, vocab), k)
+        return _method_loss(method, head, x, *_target_pass(target, x, aux_layers, vocab), k,
+                            top1_weight)
     return fn
 
 
-def joint_head_loss(heads: nn.ModuleDict, target, k: int):
+def joint_head_loss(heads: nn.ModuleDict, target, k: int, top1_weight: float = 0.0):
     """One loss for several heads that read the target's last hidden state: the target runs
     once per batch for all of them (the frozen target pass is most of a small head's step)."""
     def fn(xy: torch.Tensor):
@@ -172,17 +180,22 @@ def joint_head_loss(heads: nn.ModuleDict, target, k: int):
         pos, h, _, logp = _target_pass(target, x, ())
         total, values = 0.0, {}
         for method, head in heads.items():
-            loss, v = _method_loss(method, head, x, pos, h, None, logp, k)
+            loss, v = _method_loss(method, head, x, pos, h, None, logp, k, top1_weight)
             total = total + loss
             values |= {f"{method}_{name}": val for name, val in v.items()}
         return total, values | {"loss": total.item()}
     return fn
 
 
-def _method_loss(method: str, head: nn.Module, x, pos, h, aux, logp, k: int):
+def _method_loss(method: str, head: nn.Module, x, pos, h, aux, logp, k: int,
+                 top1_weight: float):
     S = x.shape[1]
+
+    def distill(logits: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
+        return _distill(logits, target_logp, top1_weight)
+
     if method == "medusa":
-        losses = [_kl(lm(block(h[:, :S - i - 1])), logp[:, i + 1:])
+        losses = [distill(lm(block(h[:, :S - i - 1])), logp[:, i + 1:])
                   for i, (block, lm) in enumerate(zip(head.blocks, head.lm_heads))]
         loss = sum(losses) / len(losses)
         return loss, {"loss": loss.item(), "kl_head0": losses[0].item()}
@@ -191,18 +204,18 @@ def _method_loss(method: str, head: nn.Module, x, pos, h, aux, logp, k: int):
         for i in range(head.n_predict):
             n = S - head.n_predict
             state, logits = head.stage(i, state, x[:, i + 1:i + 1 + n])
-            losses.append(_kl(logits, logp[:, i + 1:i + 1 + n]))
+            losses.append(distill(logits, logp[:, i + 1:i + 1 + n]))
         loss = sum(losses) / len(losses)
         return loss, {"loss": loss.item(), "kl_stage0": losses[0].item()}
     # eagle / eagle3 / mtp: pairs (state at t, token t+1) for t = 0..S-2
     if method == "eagle3":
         outs = unrolled_drafts(head, x, aux, pos, k)
-        kls = [_kl(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]
+        kls = [distill(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]
         loss = sum(kls) / len(kls)
         values = {"kl" if j == 0 else f"kl_step{j + 1}": kl.item() for j, kl in enumerate(kls)}
         return loss, values | {"loss": loss.item()}
     out = head(x[:, 1:], head.fuse_target(h[:, :-1]), pos[:, :-1], None, None)  # [B, S-1, H]
-    loss = _kl(head.logits(out), logp[:, 1:])
+    loss = distill(head.logits(out), logp[:, 1:])
     values = {"kl": loss.item()}
     if method == "eagle":
         reg = F.smooth_l1_loss(out.float(), h[:, 1:].float())
@@ -386,9 +399,10 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
         print(f"{m} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "
               f"trainable parameters; {len(ids) / 1e6:.2f}M training tokens", flush=True)
     if len(methods) == 1:        # the head alone: its checkpoint keys stay the head's own
-        model, loss_fn = heads[methods[0]], head_loss(methods[0], heads[methods[0]], target, k)
+        model = heads[methods[0]]
+        loss_fn = head_loss(methods[0], model, target, k, cfg.top1_weight)
     else:
-        model, loss_fn = heads, joint_head_loss(heads, target, k)
+        model, loss_fn = heads, joint_head_loss(heads, target, k, cfg.top1_weight)
         cfg = dataclasses.replace(cfg, grad_clip=cfg.grad_clip * len(methods) ** 0.5)
     log = train(model, ids, cfg, device, loss_fn)
     if not log or log[-1]["step"] < cfg.steps:

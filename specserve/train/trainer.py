@@ -42,6 +42,9 @@ class TrainConfig:
     device: str = field(default="auto", metadata={"help": "cpu, cuda or auto"})
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     kd_alpha: float = field(default=1.0, metadata={"help": "distillation: weight of KL vs CE"})
+    top1_weight: float = field(default=0.0, metadata={
+        "help": "heads: weight of a cross-entropy to the target's most likely token, added to "
+                "the KL (raises greedy acceptance; the logged kl values include it)"})
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "ckpt_every", "eval_every"):
@@ -49,6 +52,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.kd_alpha <= 1:
             raise ValueError(f"kd_alpha must be in [0, 1], got {self.kd_alpha}")
+        if self.top1_weight < 0:
+            raise ValueError(f"top1_weight must be >= 0, got {self.top1_weight}")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

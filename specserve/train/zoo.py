@@ -106,6 +106,9 @@ class EagleStage(NamedTuple):
     steps: int
     gen: GeneratedData
     refresh_vocab: bool = False     # the draft vocabulary afresh from this stage's text
+    lr: float = 5e-4                # half the heads' first learning rate
+    seed: int = 0                   # another seed draws other training windows
+    top1_weight: float = 0.0        # TrainConfig.top1_weight
 
 
 # Then EAGLE-3 five times more, each stage from the previous head, at the same learning rate,
@@ -153,16 +156,17 @@ def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
             return False
         _report(results, out, f"retargeted, {steps} steps")
     e3 = Path(head_dir(out, "eagle3"))
-    for stage, (steps, gen, refresh) in enumerate(RETARGET_EAGLE3_MORE):
+    for i, stage in enumerate(RETARGET_EAGLE3_MORE):
         # stage 0 keeps the work directory it had as the only stage
-        cfg = head_config(work / ("more" if stage == 0 else f"more{stage + 1}"), ("eagle3",),
-                          steps, **kw)
-        cfg = dataclasses.replace(cfg, lr=cfg.lr / 2, warmup=20)
-        results = train_heads({"eagle3": e3}, cfg, out, gen=gen, inits={"eagle3": e3},
-                              refresh_vocab=refresh, **HEAD_RECIPES[("eagle3",)][1])
+        cfg = head_config(work / ("more" if i == 0 else f"more{i + 1}"), ("eagle3",),
+                          stage.steps, **kw)
+        cfg = dataclasses.replace(cfg, lr=stage.lr, warmup=20, seed=stage.seed,
+                                  top1_weight=stage.top1_weight)
+        results = train_heads({"eagle3": e3}, cfg, out, gen=stage.gen, inits={"eagle3": e3},
+                              refresh_vocab=stage.refresh_vocab, **HEAD_RECIPES[("eagle3",)][1])
         if not all(results.values()):
             return False
-        _report(results, out, f"more greedy text, {steps} steps")
+        _report(results, out, f"more greedy text, {stage.steps} steps")
     return True
 
 

@@ -259,16 +259,16 @@ def test_bundled_heads_speculate_losslessly(method):
     assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("method, draft_vocab", [("medusa", None), ("mlp_speculator", None),
-                                                 ("eagle", None), ("eagle3", None),
-                                                 ("eagle3", 100), ("mtp", None)])
-def test_head_training_smoke(method, draft_vocab, tiny_lm, small_corpus, tmp_path):
+@pytest.mark.parametrize("method, draft_vocab, top1", [
+    ("medusa", None, 0), ("mlp_speculator", None, 0), ("eagle", None, 0), ("eagle3", None, 0),
+    ("eagle3", 100, 1.0), ("mtp", None, 0)])
+def test_head_training_smoke(method, draft_vocab, top1, tiny_lm, small_corpus, tmp_path):
     """Seconds of training lower the loss, write the public format, and the head loads and
     speculates losslessly with a measured tau."""
     from specserve.train.heads import train_head
     target, _, _ = tiny_lm
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=25, batch_size=4, seq_len=64, lr=3e-3,
-                      warmup=2, eval_every=25, bf16=False, device="cpu")
+                      warmup=2, eval_every=25, bf16=False, device="cpu", top1_weight=top1)
     result = train_head(method, cfg, target, tmp_path / f"tiny-{method}", k=3,
                         gen=GeneratedData(num_generated=2, generated_len=16),
                         corpus=small_corpus, draft_vocab=draft_vocab)
@@ -291,6 +291,33 @@ def test_head_training_smoke(method, draft_vocab, tiny_lm, small_corpus, tmp_pat
     if method == "mtp":     # the target's weights are linked, not copied
         shards = [f for f in model.iterdir() if f.suffix == ".safetensors"]
         assert [f.name for f in shards if not f.is_symlink()] == ["model-mtp.safetensors"]
+
+
+def test_top1_weight_adds_a_cross_entropy_to_the_targets_top_token():
+    """--top1-weight: the loss gains that multiple of the cross-entropy to the target's most
+    likely token, and fitting free logits to a flat target with it gives that token a wider
+    lead than the KL alone does (the KL's optimum is the target itself)."""
+    import torch.nn.functional as F
+    from specserve.train.heads import _distill
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 5, 50), torch.randn(2, 5, 50)
+    logp = F.log_softmax(target, -1)
+    ce = F.cross_entropy(logits.flatten(0, 1), target.argmax(-1).flatten())
+    torch.testing.assert_close(_distill(logits, logp, 0.5) - _distill(logits, logp), 0.5 * ce)
+
+    flat = F.log_softmax(torch.tensor([[1.0, 0.9, 0.8, 0.0]]), -1)            # top token 0
+    leads = []
+    for weight in (0.0, 1.0):
+        x = torch.zeros(1, 4, requires_grad=True)
+        opt = torch.optim.Adam([x], lr=0.1)
+        for _ in range(300):
+            opt.zero_grad()
+            _distill(x, flat, weight).backward()
+            opt.step()
+        leads.append((x[0, 0] - x[0, 1:].max()).item())
+    assert leads[0] == pytest.approx(0.1, abs=0.02) and leads[1] > 3 * leads[0]
+    with pytest.raises(ValueError, match="top1_weight must be >= 0"):
+        TrainConfig(work_dir="w", top1_weight=-1)
 
 
 @pytest.mark.parametrize("method", ["eagle3", "medusa"])
@@ -469,6 +496,9 @@ def test_heads_trained_together_share_one_target_pass(tiny_lm, small_corpus, tmp
     joint, values = joint_head_loss(heads, model, 3)(xy)
     alone = [head_loss(m, h, model, 3)(xy)[0] for m, h in heads.items()]
     torch.testing.assert_close(joint, sum(alone))
+    weighted = [head_loss(m, h, model, 3, top1_weight=1.0)(xy)[0] for m, h in heads.items()]
+    torch.testing.assert_close(joint_head_loss(heads, model, 3, 1.0)(xy)[0], sum(weighted))
+    assert all(w > a for w, a in zip(weighted, alone))
     assert {"medusa_loss", "eagle_feature_l1", "mtp_kl"} <= values.keys()
 
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=25, batch_size=4, seq_len=64, lr=3e-3,
@@ -498,13 +528,11 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(zoo, "train_lm", lambda *a, **k: 1.0)
     monkeypatch.setattr(zoo, "train_unlikelihood", lambda *a, **k: 1.0)
     monkeypatch.setattr(zoo, "train_draft", lambda *a, **k: 1.0)
-    calls = []
-
-    refreshed = []
+    calls, refreshed = [], []
 
     def heads(outs, cfg, *a, **k):
         calls.append(cfg.steps)
-        refreshed.append(k.get("refresh_vocab", False))
+        refreshed.append((k.get("refresh_vocab", False), cfg.lr, cfg.seed, cfg.top1_weight))
         first = cfg.steps == min(s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st)
         return {m: {"skipped": "past"} if first else {"tau": 2.0} for m in outs}
 
@@ -514,6 +542,6 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
                      + [s for s, _ in zoo.RETARGET_HEADS.values()]
                      + [s.steps for s in zoo.RETARGET_EAGLE3_MORE])
     assert refreshed[-len(zoo.RETARGET_EAGLE3_MORE):] == [
-        s.refresh_vocab for s in zoo.RETARGET_EAGLE3_MORE]
+        (s.refresh_vocab, s.lr, s.seed, s.top1_weight) for s in zoo.RETARGET_EAGLE3_MORE]
     out = capsys.readouterr().out
     assert "past" in out and "tau 2.00 at K=4" in out
