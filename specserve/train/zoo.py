@@ -127,7 +127,7 @@ class EagleStage(NamedTuple):
 # token added to the KL (`top1_weight`), tau (run 51) 2.85 -> 2.97 and 3.37 -> 3.58.
 # In throwaway A/Bs of the first of them (one round of `bench latency`), the same 300 steps without
 # the cross-entropy reached 2.90 / 3.49 and with it 2.91 / 3.63; a third stage (500 steps, seed 3)
-# added nothing (2.96 / 3.55).
+# added nothing (2.96 / 3.55), nor did 300 steps with top1_weight 3 (2.92 / 3.58).
 RETARGET_EAGLE3_MORE: list[EagleStage] = [
     EagleStage(600, dataclasses.replace(GREEDY, num_generated=4096, generated_share=0.5)),
     EagleStage(1800, dataclasses.replace(GREEDY, num_generated=8192, generated_share=0.6)),
