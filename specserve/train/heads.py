@@ -21,6 +21,7 @@ prompts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -190,10 +191,7 @@ def joint_head_loss(heads: nn.ModuleDict, target, k: int, top1_weight: float = 0
 def _method_loss(method: str, head: nn.Module, x, pos, h, aux, logp, k: int,
                  top1_weight: float):
     S = x.shape[1]
-
-    def distill(logits: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
-        return _distill(logits, target_logp, top1_weight)
-
+    distill = functools.partial(_distill, top1_weight=top1_weight)
     if method == "medusa":
         losses = [distill(lm(block(h[:, :S - i - 1])), logp[:, i + 1:])
                   for i, (block, lm) in enumerate(zip(head.blocks, head.lm_heads))]

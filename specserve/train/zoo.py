@@ -84,10 +84,13 @@ HEAD_RECIPES: dict[tuple[str, ...], tuple[int, dict, list[tuple[int, GeneratedDa
 }
 
 
+HEAD_LR = 1e-3                  # the heads' first learning rate; fine-tuning runs at half
+
+
 def head_config(work: Path, methods: tuple[str, ...], steps: int, **kw) -> TrainConfig:
     batch = HEAD_RECIPES[methods][0]
     return TrainConfig(work_dir=str(work / "heads" / "+".join(methods)), steps=steps,
-                       batch_size=batch, seq_len=512, lr=1e-3, warmup=100, eval_every=100_000,
+                       batch_size=batch, seq_len=512, lr=HEAD_LR, warmup=100, eval_every=100_000,
                        ckpt_every=50, **kw)
 
 
@@ -106,7 +109,7 @@ class EagleStage(NamedTuple):
     steps: int
     gen: GeneratedData
     refresh_vocab: bool = False     # the draft vocabulary afresh from this stage's text
-    lr: float = 5e-4                # half the heads' first learning rate
+    lr: float = HEAD_LR / 2
     seed: int = 0                   # another seed draws other training windows
     top1_weight: float = 0.0        # TrainConfig.top1_weight
 
