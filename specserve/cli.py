@@ -11,7 +11,8 @@ import json
 import sys
 import time
 
-from specserve.config import HEAD_METHODS, ModelConfig, SchedulerConfig, load_json_or_yaml_arg
+from specserve.config import (HEAD_METHODS, ModelConfig, SchedulerConfig, ServerConfig,
+                              load_json_or_yaml_arg)
 
 
 def _arg_type(f: dataclasses.Field):
@@ -84,18 +85,15 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_serve(args: argparse.Namespace) -> None:
     import logging
 
-    import uvicorn
-
     from specserve.engine.engine import LLMEngine
     from specserve.llm import build_engine_config
-    from specserve.server.app import build_app
+    from specserve.server.serve import serve
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     spec = load_json_or_yaml_arg(args.speculative_config)
+    config = ServerConfig(**dataclass_kwargs(args, ServerConfig))
     engine = LLMEngine(build_engine_config(args.model, spec, log_stats_interval_s=10.0,
                                            **_engine_kwargs(args)))
-    app = build_app(engine, args.served_model_name or args.model, args.api_key,
-                    args.max_request_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    raise SystemExit(serve(engine, config))
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -173,13 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_parser(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    s.add_argument("--served-model-name", default=None, help="model name in the API "
-                   "(default: the model path)")
-    s.add_argument("--max-request-bytes", type=int, default=1 << 20,
-                   help="largest accepted request body")
+    add_dataclass_args(s, ServerConfig)
     s.set_defaults(func=cmd_serve)
 
     t = sub.add_parser("train", help="train a model: lm (pretraining), unlikelihood (fine-tune "

@@ -353,3 +353,55 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig | None = None
     log_stats_interval_s: float = 0.0       # > 0: log spec metrics every so many seconds
+
+
+@dataclass
+class ServerConfig:
+    """`specserve serve`: where it listens and what a request may be."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=8000, metadata={"help": "port to bind"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model name in the API (default: the model path)"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require 'Authorization: Bearer KEY' on every route but /health"})
+    public_metrics: bool = field(default=False, metadata={
+        "help": "with --api-key: leave /metrics and the API docs open"})
+    allowed_hosts: str | None = field(default=None, metadata={
+        "help": "comma-separated Host header names the server answers (stops DNS rebinding); "
+                "'*' for any (default: the bound host and localhost; any when bound to all "
+                "interfaces)"})
+    allowed_origins: str | None = field(default=None, metadata={
+        "help": "comma-separated origins that browsers may call from (CORS); default: none"})
+    max_request_bytes: int = field(default=1 << 20, metadata={
+        "help": "largest request body, enforced while reading"})
+    request_body_timeout_s: float = field(default=30.0, metadata={
+        "help": "seconds a client has to send its whole request body"})
+    max_prompts_per_request: int = field(default=64, metadata={
+        "help": "most prompts one completions request may carry"})
+    max_prompt_tokens_per_request: int | None = field(default=None, metadata={
+        "help": "most prompt tokens over all prompts of one request (default: 8 x the "
+                "context length)"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_prompts_per_request"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens_per_request is not None and self.max_prompt_tokens_per_request < 1:
+            raise ValueError("max_prompt_tokens_per_request must be >= 1, got "
+                             f"{self.max_prompt_tokens_per_request}")
+        if not self.request_body_timeout_s > 0:
+            raise ValueError(f"request_body_timeout_s must be > 0, got "
+                             f"{self.request_body_timeout_s}")
+
+    def host_names(self) -> frozenset[str] | None:
+        """Host header names to answer; None = any."""
+        if self.allowed_hosts is not None:
+            names = {h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip()}
+            return None if "*" in names else frozenset(names)
+        if self.host in ("0.0.0.0", "::", ""):
+            return None
+        return frozenset({self.host.lower(), "localhost", "127.0.0.1", "::1"})
+
+    def origins(self) -> list[str]:
+        return [o.strip() for o in (self.allowed_origins or "").split(",") if o.strip()]

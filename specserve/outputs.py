@@ -12,7 +12,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None          # "stop", "length" or None while running
+    # "stop", "length", "abort", "error" (RequestOutput.error says why) or None while running
+    finish_reason: str | None
     stop_reason: int | str | None = None
     # one dict per token: {token_id: logprob} with the sampled token and the top-N
     logprobs: list[dict[int, float]] | None = None
@@ -30,3 +31,4 @@ class RequestOutput:
     finished: bool
     spec_metrics: SpecDecodingStats | None = None     # this request's speculation summary
     metrics: dict[str, float] = field(default_factory=dict)   # arrival/first token/finish times
+    error: str | None = None      # set when the engine aborted this request alone (its fault)

@@ -1,8 +1,24 @@
-"""Per-request sampling knobs (vLLM names)."""
+"""Per-request sampling knobs (vLLM names), validated for what the sampler computes."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+import torch
+
+# Logits are divided by the temperature in float32. Below this a finite logit of a few hundred
+# can overflow to inf (inf - inf = NaN in the softmax); 1e-5 leaves a margin of 1e33, and a
+# temperature that small samples the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+# The range torch.Generator.manual_seed accepts (a signed or unsigned 64-bit integer).
+SEED_RANGE = (-(2**63), 2**64 - 1)
+MAX_LOGPROBS = 20
+
+
+def _finite(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
 @dataclass
@@ -27,18 +43,25 @@ class SamplingParams:
         if self.n != 1:
             raise ValueError(f"n={self.n} is not supported; only n=1 (send the request n times "
                              "with different seeds instead)")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("temperature", "top_p", "min_p"):
+            _finite(name, getattr(self, name))
+        if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, "
+                             f"got {self.temperature}")
+        # top_p is compared in float32: a positive float64 that rounds to 0 would drop every token
+        if not (0 < self.top_p <= 1 and torch.tensor(self.top_p, dtype=torch.float32) > 0):
+            raise ValueError(f"top_p must be in (0, 1] and not round to 0 in float32 (it "
+                             f"must be at least 1e-45), got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")

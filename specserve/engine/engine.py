@@ -20,7 +20,7 @@ from specserve.metrics import SpecDecodingStats
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model, read_json
 from specserve.outputs import CompletionOutput, RequestOutput
-from specserve.proposers.base import ProposeBatch, Proposer
+from specserve.proposers.base import Proposal, ProposeBatch, Proposer
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.sampling.sampler import token_logprobs
 from specserve.sampling_params import SamplingParams
@@ -100,18 +100,19 @@ class LLMEngine:
         gc.freeze()
 
     # ---- requests -------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, checked (ValueError with the fix: the server's 400 text)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json; pass "
-                                 "TokensPrompt(prompt_token_ids=[...]) instead of text")
-            text, ids = prompt, self.tokenizer.encode(prompt)
+                raise ValueError("this model has no tokenizer (no tokenizer.json); give token "
+                                 "ids as the prompt: TokensPrompt(prompt_token_ids=[...]) "
+                                 "offline, a list of ids over HTTP")
+            ids = self.tokenizer.encode(prompt)
         else:
-            text, ids = None, list(prompt)
+            ids = list(prompt)
         if not ids:
             raise ValueError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                              f"[0, {self.vocab_size})")
@@ -119,6 +120,12 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens, but the context length "
                              f"(max_model_len) is {self.max_model_len}: shorten the prompt so "
                              "that at least one token can be generated")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        ids = self.prompt_ids(prompt)
+        text = prompt if isinstance(prompt, str) else None
         n = next(self._ids)
         rid = request_id if request_id is not None else str(n)
         if rid in self.requests:
@@ -166,20 +173,25 @@ class LLMEngine:
                      for _, b in sampled]
             method = self.spec.rejection_sample_method if self.spec else "strict"
             rate = self.spec.synthetic_acceptance_rate if self.spec else None
-            tokens = verify(out.logits, vreqs, method, rate).tolist()
+            errors: dict[int, Exception] = {}
+            tokens = verify(out.logits, vreqs, method, rate, errors).tolist()
             row = 0
-            for (i, b), v, toks in zip(sampled, vreqs, tokens):
-                toks = [t for t in toks if t != PLACEHOLDER_TOKEN_ID]
+            for n, ((i, b), v, toks) in enumerate(zip(sampled, vreqs, tokens)):
                 logits = out.logits[row:row + b.num_sample_rows]
-                if v.parents is not None:
-                    logits = self._settle_tree(i, b, v, toks, out, logits)
-                self._update(b, toks, logits)
                 row += b.num_sample_rows
+                if n in errors:
+                    self._fail(b.request, "verification", errors[n])
+                    continue
+                try:
+                    toks = [t for t in toks if t != PLACEHOLDER_TOKEN_ID]
+                    if v.parents is not None:
+                        logits = self._settle_tree(i, b, v, toks, out, logits)
+                    self._update(b, toks, logits)
+                except Exception as e:
+                    self._fail(b.request, "its update (stop checks, detokenizing, logprobs)", e)
         for b in batch:
             if not b.num_sample_rows:                      # partial prefill
                 b.request.num_computed_tokens += b.num_new_tokens
-        outputs = [self._output(b.request) for b in batch
-                   if b.num_sample_rows or b.request.is_finished]
         for b in batch:
             if b.request.is_finished:
                 self.requests.pop(b.request.request_id, None)
@@ -193,7 +205,9 @@ class LLMEngine:
                     self.adaptive_k.observe("propose", num_decoding, k,
                                             time.perf_counter() - t1)
         self._maybe_log()
-        return outputs
+        # after drafting, which may fail a request too
+        return [self._output(b.request) for b in batch
+                if b.num_sample_rows or b.request.is_finished]
 
     @torch.inference_mode()
     def _settle_tree(self, i: int, b: ScheduledRequest, v: VerifyRequest, tokens: list[int],
@@ -282,7 +296,18 @@ class LLMEngine:
     def _finish(self, req: Request) -> None:
         self.scheduler.finish(req)
         if self.proposer is not None:
-            self.proposer.finish(req)
+            try:
+                self.proposer.finish(req)
+            except Exception:       # the request is gone anyway; the proposer's state of it too
+                logger.exception("proposer.finish failed for request %s", req.request_id)
+
+    def _fail(self, req: Request, stage: str, error: Exception) -> None:
+        """Abort one request whose own work raised; the rest of the batch carries on. The
+        request leaves the engine at the end of this step (finish_reason "error")."""
+        logger.error("request %s failed in %s; aborting it alone", req.request_id, stage,
+                     exc_info=error)
+        self._stop(req, "error", None)
+        req.error = f"the request failed in {stage}: {type(error).__name__}: {error}"
 
     def _propose(self, batch: list[ScheduledRequest], out: RunnerOutput) -> tuple[int, int]:
         """Drafts for the requests that decode next step; returns (how many requests decode
@@ -304,14 +329,42 @@ class LLMEngine:
                 r.spec_budget = k
                 reqs.append(r)
                 budgets.append(room)
-        proposals = self.proposer.propose(
-            ProposeBatch(reqs, budgets, [b.request for b in batch], out))
+        try:
+            proposals = self.proposer.propose(
+                ProposeBatch(reqs, budgets, [b.request for b in batch], out))
+        except Exception as e:
+            # A batched proposer call cannot be pinned on one request, and its per-request
+            # state (KV, hidden-state rows) is now unknown: the step's requests fail, the
+            # engine goes on for the others.
+            for b in batch:
+                if not b.request.is_finished:
+                    self._fail(b.request, "drafting (proposer.propose)", e)
+                    self.requests.pop(b.request.request_id, None)
+                    self._finish(b.request)
+            return num_decoding, k
         for r, prop, room in zip(reqs, proposals, budgets):
-            assert len(prop.token_ids) <= room, "a proposer returned more drafts than allowed"
+            problem = self._check_proposal(prop, room)
+            if problem is not None:
+                self._fail(r, "drafting", ValueError(problem))
+                self.requests.pop(r.request_id, None)
+                self._finish(r)
+                continue
             r.spec_token_ids = list(prop.token_ids)
             r.spec_token_probs = prop.probs
             r.spec_parents = prop.parents
         return num_decoding, k
+
+    def _check_proposal(self, prop: Proposal, room: int) -> str | None:
+        """What is wrong with a proposer's drafts (they would index the target's embedding),
+        or None."""
+        toks = prop.token_ids
+        if len(toks) > room:
+            return f"the proposer returned {len(toks)} drafts where at most {room} were allowed"
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in toks):
+            return f"the proposer returned draft ids outside [0, {self.vocab_size}): {toks}"
+        if prop.parents is not None and len(prop.parents) != len(toks):
+            return "the proposer's tree has a parent count unlike its draft count"
+        return None
 
     def _maybe_log(self) -> None:
         interval = self.config.log_stats_interval_s
@@ -329,7 +382,8 @@ class LLMEngine:
         if req.finish_time is not None:
             metrics["finish_time"] = req.finish_time
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
-                             req.is_finished, req.spec_metrics if self.spec else None, metrics)
+                             req.is_finished, req.spec_metrics if self.spec else None, metrics,
+                             req.error)
 
     def get_metrics(self) -> dict:
         m = self.spec_stats.as_dict()

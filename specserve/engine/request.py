@@ -43,6 +43,7 @@ class Request:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None            # why the engine aborted it (finish_reason "error")
     logprobs: list[dict[int, float]] | None = None
     spec_metrics: SpecDecodingStats = field(default_factory=lambda: SpecDecodingStats(0))
     first_token_time: float | None = None

@@ -41,13 +41,16 @@ class VerifyRequest:
 
 
 def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "strict",
-           synthetic_acceptance_rate: float | None = None) -> torch.Tensor:
+           synthetic_acceptance_rate: float | None = None,
+           errors: dict[int, Exception] | None = None) -> torch.Tensor:
     """Verify every request's drafts against its k+1 target rows.
 
     logits: [sum(k_i + 1), V] float32 target logits, request-major.
     method: "strict" (drafts one-hot, the default), "probabilistic" (uses draft_probs in the
     ratio test) or "synthetic" (acceptance drawn at `synthetic_acceptance_rate`, independent of
     the target; for benchmarking only - the output is then not the target's distribution).
+    errors: when given, an exception raised by one request's verification is stored here under
+    its index and its row is all placeholders, so that one request cannot fail the others.
     Returns [batch, max_k + 1] int64, padded with PLACEHOLDER_TOKEN_ID.
     """
     max_k = max(len(r.draft_token_ids) for r in reqs)
@@ -58,9 +61,8 @@ def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "stric
         o += len(r.draft_token_ids) + 1
     assert o == logits.shape[0], "one logits row per draft plus one bonus row per request"
 
-    greedy = [i for i, r in enumerate(reqs) if r.params.is_greedy]
-    if greedy:
-        argmax = greedy_ids(logits)                      # one sync for all rows
+    # one sync for all rows
+    argmax = greedy_ids(logits) if any(r.params.is_greedy for r in reqs) else []
     random_ids = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
     probs_of: dict[int, torch.Tensor] = {}
     if random_ids:
@@ -76,18 +78,32 @@ def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "stric
             p0 += n
 
     for i, r in enumerate(reqs):
-        k = len(r.draft_token_ids)
-        if r.parents is not None:
-            assert method != "synthetic", "synthetic acceptance is defined for chains only"
-            emitted = (_verify_greedy_tree(argmax[offsets[i]:offsets[i] + k + 1], r)
-                       if r.params.is_greedy else _verify_random_tree(probs_of[i], r))
-        elif r.params.is_greedy:
-            emitted = _verify_greedy(argmax[offsets[i]:offsets[i] + k + 1], r, method,
-                                     synthetic_acceptance_rate)
+        emitted: list[int] = []
+        if errors is None:
+            emitted = _verify_one(i, r, offsets[i], argmax, probs_of, method,
+                                  synthetic_acceptance_rate)
         else:
-            emitted = _verify_random(probs_of[i], r, method, synthetic_acceptance_rate)
+            try:
+                emitted = _verify_one(i, r, offsets[i], argmax, probs_of, method,
+                                      synthetic_acceptance_rate)
+            except Exception as e:
+                errors[i] = e
         out.append(emitted + [PLACEHOLDER_TOKEN_ID] * (max_k + 1 - len(emitted)))
     return torch.tensor(out, dtype=torch.long)
+
+
+def _verify_one(i: int, r: VerifyRequest, offset: int, argmax: list[int] | None,
+                probs_of: dict[int, torch.Tensor], method: str, rate: float | None) -> list[int]:
+    """Tokens request i emits: argmax holds every row's greedy token, probs_of its processed
+    target rows when it samples."""
+    k = len(r.draft_token_ids)
+    if r.parents is not None:
+        assert method != "synthetic", "synthetic acceptance is defined for chains only"
+        return (_verify_greedy_tree(argmax[offset:offset + k + 1], r)
+                if r.params.is_greedy else _verify_random_tree(probs_of[i], r))
+    if r.params.is_greedy:
+        return _verify_greedy(argmax[offset:offset + k + 1], r, method, rate)
+    return _verify_random(probs_of[i], r, method, rate)
 
 
 def _uniforms(r: VerifyRequest) -> torch.Tensor:

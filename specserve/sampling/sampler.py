@@ -37,6 +37,20 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
         keep = probs >= mp[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs * keep
         probs = probs / probs.sum(dim=-1, keepdim=True)
+    return _argmax_where_degenerate(probs, logits)
+
+
+def _argmax_where_degenerate(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Rows of probs [N, V] that are not a distribution (NaN, inf, or no mass left) become
+    one-hot on their logits' argmax. SamplingParams rules such rows out; this keeps one that
+    slips through (a non-finite logit, say) from failing the whole batch in torch.multinomial."""
+    bad = ~(probs.isfinite().all(dim=-1) & (probs.sum(dim=-1) > 0))               # [N]
+    if not bool(bad.any()):
+        return probs
+    fallback = logits[bad].nan_to_num(nan=float("-inf")).argmax(dim=-1)          # [n_bad]
+    probs = probs.clone()
+    probs[bad] = 0.0
+    probs[bad.nonzero().squeeze(-1), fallback] = 1.0
     return probs
 
 
@@ -50,8 +64,12 @@ def greedy_ids(logits: torch.Tensor) -> list[int]:
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from probs [V] (need not be normalised) with the request's generator."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from probs [V] (need not be normalised) with the request's generator; a vector
+    that is no distribution (NaN, inf, negative, no mass) gives its argmax instead of an error."""
+    try:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    except RuntimeError:
+        return int(probs.nan_to_num(nan=float("-inf")).argmax())
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: int

@@ -1,34 +1,46 @@
-"""FastAPI routes: OpenAI-compatible completions and chat (with SSE streaming), models, health,
-Prometheus metrics. Every bad request gets a 4xx with an OpenAI error body; none stops the server.
+"""The OpenAI-compatible app: completions and chat (with SSE streaming), models, health,
+Prometheus metrics. A bad request gets a 4xx with an OpenAI error body; a request that fails
+inside the engine gets a 500 (or an error event in its stream) and no other request notices;
+once the engine itself has stopped, every request gets a 503 at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import secrets
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from specserve.config import ServerConfig
 from specserve.engine.engine import LLMEngine
 from specserve.metrics import PrometheusMetrics
 from specserve.outputs import RequestOutput
-from specserve.server.async_engine import AsyncEngine
-from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, error_body,
-                                       new_id, now)
+from specserve.sampling_params import SamplingParams
+from specserve.server import responses
+from specserve.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from specserve.server.guard import APIError, Gate, read_json
+from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                       error_body, new_id, now)
+from specserve.server.streaming import DeltaTracker, merge, sse
 
+logger = logging.getLogger("specserve.server")
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code = status, message, type_, code
+_ERRORS = {status: {"model": ErrorResponse, "description": text} for status, text in (
+    (400, "invalid request (the message says what and how to fix it)"),
+    (401, "missing or wrong API key"), (404, "unknown model"),
+    (408, "the body did not arrive in time"), (413, "the body is too large"),
+    (415, "the body is not application/json"),
+    (500, "the request failed inside the engine (other requests are unaffected)"),
+    (503, "the engine has stopped"))}
+_DOC_PATHS = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 @dataclass
@@ -66,11 +78,254 @@ def _validation_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20) -> FastAPI:
-    async_engine = AsyncEngine(engine)
-    metrics = PrometheusMetrics(engine, served_model_name)
-    tokenizer = engine.tokenizer
+def _json_body(model: type[BaseModel]) -> dict:
+    """openapi_extra for a route that reads `model` as its JSON body itself."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+class _Server:
+    """The routes' shared state and helpers (one per app)."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig, async_engine: AsyncEngine,
+                 metrics: PrometheusMetrics) -> None:
+        self.engine, self.config = engine, config
+        self.async_engine, self.metrics = async_engine, metrics
+        self.name = config.served_model_name or engine.config.model_config.model
+        tok = engine.tokenizer
+        self.decode: Callable[[int], str] = (
+            (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else str)
+        self.max_prompt_tokens = (config.max_prompt_tokens_per_request
+                                  or 8 * engine.max_model_len)
+
+    async def parse(self, request: Request, model: type[BaseModel]):
+        data = await read_json(request, self.config.max_request_bytes,
+                               self.config.request_body_timeout_s)
+        try:
+            req = model.model_validate(data)
+        except ValidationError as e:
+            raise APIError(400, _validation_message(e)) from None
+        except RecursionError:
+            raise APIError(400, "the body's JSON is nested too deeply") from None
+        if req.model is not None and req.model != self.name:
+            raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
+                           f"'{self.name}'", code="model_not_found")
+        return req
+
+    def prepare(self, prompts: list[str | list[int]], req) -> list[tuple[list[int], int]]:
+        """Token ids and max_tokens of each prompt, checked against the request limits and the
+        context length; the engine's own prompt checks give the messages."""
+        if len(prompts) > self.config.max_prompts_per_request:
+            raise APIError(400, f"the request has {len(prompts)} prompts; send at most "
+                           f"{self.config.max_prompts_per_request} per request")
+        limit = self.engine.max_model_len
+        out, total = [], 0
+        for prompt in prompts:
+            try:
+                ids = self.engine.prompt_ids(prompt)
+            except ValueError as e:
+                raise APIError(400, str(e)) from None
+            total += len(ids)
+            if total > self.max_prompt_tokens:
+                raise APIError(400, f"the request's prompts have more than "
+                               f"{self.max_prompt_tokens} tokens in all; send fewer or shorter "
+                               "prompts")
+            max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(ids)
+            if len(ids) + max_tokens > limit:
+                raise APIError(400, f"this model's maximum context length is {limit} tokens, "
+                               f"but {len(ids) + max_tokens} were requested ({len(ids)} in the "
+                               f"prompt, {max_tokens} for the completion); lower max_tokens")
+            out.append((ids, max_tokens))
+        return out
+
+    def params(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return req.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    def check_alive(self) -> None:
+        if not self.async_engine.alive:
+            raise APIError(503, self.async_engine.why_dead, "server_error", "engine_dead")
+
+    async def run(self, ids: list[int], params: SamplingParams, request_id: str
+                  ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs and record its latency metrics; engine errors become
+        APIErrors whose text holds no internals (the log has them)."""
+        timing = _Timing()
+        last = None
+        try:
+            async for out in self.async_engine.generate(ids, params, request_id):
+                timing.update(len(out.outputs[0].token_ids))
+                last = out
+                yield out
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except RequestFailedError:
+            raise APIError(500, f"the request failed inside the engine (request id "
+                           f"{request_id}); the server log has the details; other requests "
+                           "are unaffected", "server_error") from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "server_error", "engine_dead") from None
+        finally:
+            reason = (last.outputs[0].finish_reason if last is not None and last.finished
+                      else "error" if self.async_engine.error else "abort")
+            self.metrics.observe_request(
+                None if timing.first is None else timing.first - timing.start, timing.itls,
+                time.monotonic() - timing.start, reason)
+
+    async def collect(self, request: Request, gens: list[AsyncIterator[RequestOutput]]
+                      ) -> list[RequestOutput]:
+        """The final output of each request; their work is cancelled if the client leaves."""
+        async def last_of(gen):
+            last = None
+            async for out in gen:
+                last = out
+            return last
+        work = asyncio.ensure_future(asyncio.gather(*(last_of(g) for g in gens)))
+
+        async def until_disconnect():
+            while not work.done():
+                if await request.is_disconnected():
+                    work.cancel()
+                    return
+                await asyncio.sleep(0.2)
+        watcher = asyncio.ensure_future(until_disconnect())
+        try:
+            return await work
+        finally:
+            watcher.cancel()
+
+    def stream(self, chunks: AsyncIterator[dict]) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for chunk in chunks:
+                    yield sse(chunk)
+            except APIError as e:
+                yield sse(error_body(e.message, e.type, e.code))
+            except Exception:
+                logger.exception("a stream failed")
+                yield sse(error_body("internal error; the server log has the details",
+                                     "server_error"))
+            yield sse("[DONE]")
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # ---- routes -----------------------------------------------------------------------------
+    async def completions(self, request: Request):
+        req: CompletionRequest = await self.parse(request, CompletionRequest)
+        prepared = self.prepare(req.prompts(), req)
+        params = [self.params(req, mt, req.logprobs) for _, mt in prepared]
+        self.check_alive()
+        rid, created = new_id("cmpl"), now()
+        gens = [self.run(ids, p, f"{rid}-{i}")
+                for i, ((ids, _), p) in enumerate(zip(prepared, params))]
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
+        if not req.stream:
+            outs = await self.collect(request, gens)
+            choices = [{"index": i, "text": o.outputs[0].text,
+                        "logprobs": responses.completion_logprobs(
+                            o.outputs[0].token_ids, o.outputs[0].logprobs, self.decode),
+                        "finish_reason": o.outputs[0].finish_reason,
+                        "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
+            body = head | {"choices": choices, "usage": responses.usage(outs)}
+            if req.include_spec_metrics:
+                body["spec_metrics"] = [responses.spec_metrics(o) for o in outs]
+            return JSONResponse(body)
+
+        async def chunks():
+            trackers = [DeltaTracker(req.stop) for _ in gens]
+            finals: list[RequestOutput] = []
+            async for i, out in merge(gens):
+                d = trackers[i].next(out)
+                if d is None:
+                    continue
+                comp = out.outputs[0]
+                chunk = head | {"choices": [{
+                    "index": i, "text": d.text, "finish_reason": comp.finish_reason,
+                    "logprobs": responses.completion_logprobs(d.token_ids, d.logprobs,
+                                                              self.decode)}]}
+                if out.finished:
+                    finals.append(out)
+                    if req.include_spec_metrics:
+                        chunk["spec_metrics"] = responses.spec_metrics(out)
+                yield chunk
+            if req.stream_options and req.stream_options.include_usage:
+                yield head | {"choices": [], "usage": responses.usage(finals)}
+        return self.stream(chunks())
+
+    async def chat_completions(self, request: Request):
+        req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so chat is not available")
+        try:
+            prompt = self.engine.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in req.messages])
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        ((ids, max_tokens),) = self.prepare([prompt], req)
+        params = self.params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        self.check_alive()
+        rid, created = new_id("chatcmpl"), now()
+        gen = self.run(ids, params, rid)
+        if not req.stream:
+            (out,) = await self.collect(request, [gen])
+            comp = out.outputs[0]
+            body = {"id": rid, "object": "chat.completion", "created": created,
+                    "model": self.name,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": comp.text},
+                                 "logprobs": responses.chat_logprobs(comp.token_ids,
+                                                                     comp.logprobs, self.decode),
+                                 "finish_reason": comp.finish_reason,
+                                 "stop_reason": comp.stop_reason}],
+                    "usage": responses.usage([out])}
+            if req.include_spec_metrics:
+                body["spec_metrics"] = responses.spec_metrics(out)
+            return JSONResponse(body)
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": self.name}
+
+        async def chunks():
+            yield head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]}
+            tracker, final = DeltaTracker(req.stop), None
+            async for out in gen:
+                final = out
+                d = tracker.next(out)
+                if d is None:
+                    continue
+                c = head | {"choices": [{
+                    "index": 0, "delta": {"content": d.text} if d.text else {},
+                    "logprobs": responses.chat_logprobs(d.token_ids, d.logprobs, self.decode),
+                    "finish_reason": out.outputs[0].finish_reason}]}
+                if out.finished and req.include_spec_metrics:
+                    c["spec_metrics"] = responses.spec_metrics(out)
+                yield c
+            if req.stream_options and req.stream_options.include_usage and final is not None:
+                yield head | {"choices": [], "usage": responses.usage([final])}
+        return self.stream(chunks())
+
+    async def models(self):
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": now(),
+                                            "owned_by": "specserve",
+                                            "max_model_len": self.engine.max_model_len}]}
+
+    async def health(self):
+        if not self.async_engine.alive:
+            return JSONResponse(error_body(self.async_engine.why_dead, "server_error",
+                                           "engine_dead"), 503)
+        return Response(status_code=200)
+
+    async def prometheus(self):
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def build_app(engine: LLMEngine, config: ServerConfig | None = None,
+              on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """The app serving `engine`. `on_fatal` runs (on the engine thread) if the engine stops."""
+    config = config or ServerConfig()
+    async_engine = AsyncEngine(engine, on_fatal)
+    s = _Server(engine, config, async_engine, PrometheusMetrics(engine, config.served_model_name
+                                                                 or engine.config.model_config.model))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -80,319 +335,43 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
 
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.async_engine = async_engine
+    app.add_exception_handler(APIError, lambda _r, e: e.response())
+    app.add_exception_handler(404, lambda r, _e: JSONResponse(
+        error_body(f"no route {r.url.path}", "not_found_error"), 404))
+    app.add_exception_handler(405, lambda r, _e: JSONResponse(
+        error_body(f"method {r.method} is not allowed on {r.url.path}"), 405))
 
-    @app.exception_handler(APIError)
-    async def _api_error(_req: Request, e: APIError):
-        return JSONResponse(error_body(e.message, e.type, e.code), status_code=e.status)
+    def internal_error(_r: Request, e: Exception) -> JSONResponse:
+        logger.error("unhandled error", exc_info=e)
+        return JSONResponse(error_body("internal error; the server log has the details",
+                                       "server_error"), 500)
+    app.add_exception_handler(Exception, internal_error)
 
-    @app.exception_handler(404)
-    async def _not_found(req: Request, _e):
-        return JSONResponse(error_body(f"no route {req.url.path}", "not_found_error"), 404)
+    app.add_api_route("/v1/completions", s.completions, methods=["POST"], responses=_ERRORS,
+                      openapi_extra=_json_body(CompletionRequest))
+    app.add_api_route("/v1/chat/completions", s.chat_completions, methods=["POST"],
+                      responses=_ERRORS, openapi_extra=_json_body(ChatCompletionRequest))
+    app.add_api_route("/v1/models", s.models, methods=["GET"])
+    app.add_api_route("/health", s.health, methods=["GET"])
+    app.add_api_route("/metrics", s.prometheus, methods=["GET"])
 
-    @app.exception_handler(405)
-    async def _bad_method(req: Request, _e):
-        return JSONResponse(error_body(f"method {req.method} is not allowed on {req.url.path}"),
-                            405)
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(js.pop("$defs", {}))
+                schemas[model.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
 
-    def _auth(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           "authentication_error", "invalid_api_key")
-
-    async def _parse(request: Request, model: type[BaseModel]):
-        _auth(request)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_request_bytes:
-            raise APIError(413, f"request body is larger than {max_request_bytes} bytes")
-        body = await request.body()
-        if len(body) > max_request_bytes:
-            raise APIError(413, f"request body is larger than {max_request_bytes} bytes")
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the body must be a JSON object")
-        try:
-            req = model.model_validate(data)
-        except ValidationError as e:
-            raise APIError(400, _validation_message(e)) from None
-        if req.model is not None and req.model != served_model_name:
-            raise APIError(404, f"the model '{req.model}' does not exist; this server serves "
-                           f"'{served_model_name}'", code="model_not_found")
-        return req
-
-    def _prepare(prompt: str | list[int], req) -> tuple[list[int], int]:
-        """Token ids and max_tokens, checked against the context length."""
-        if isinstance(prompt, str):
-            if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer; send token ids as the prompt")
-            ids = tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        limit = engine.max_model_len
-        if not ids:
-            raise APIError(400, "the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < engine.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary "
-                           f"[0, {engine.vocab_size})")
-        if len(ids) >= limit:
-            raise APIError(400, f"the prompt has {len(ids)} tokens, but this model's maximum "
-                           f"context length is {limit} tokens; shorten the prompt")
-        max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
-                           f"{len(ids) + max_tokens} were requested ({len(ids)} in the prompt, "
-                           f"{max_tokens} for the completion); lower max_tokens")
-        return ids, max_tokens
-
-    def _params(req, max_tokens: int, logprobs: int | None):
-        try:
-            return req.sampling_params(max_tokens, logprobs)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-
-    async def _run(ids: list[int], params, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs and record its latency metrics."""
-        timing = _Timing()
-        last = None
-        try:
-            async for out in async_engine.generate(ids, params, request_id):
-                timing.update(len(out.outputs[0].token_ids))
-                last = out
-                yield out
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        except RuntimeError as e:
-            raise APIError(500, str(e), "server_error") from None
-        finally:
-            reason = (last.outputs[0].finish_reason if last is not None and last.finished
-                      else "abort")
-            metrics.observe_request(None if timing.first is None else timing.first - timing.start,
-                                    timing.itls, time.monotonic() - timing.start, reason)
-
-    async def _until_disconnect(request: Request, work: asyncio.Task):
-        """Cancel a non-streaming request's work when its client goes away."""
-        while not work.done():
-            if await request.is_disconnected():
-                work.cancel()
-                return
-            await asyncio.sleep(0.2)
-
-    async def _collect(request: Request, gens: list[AsyncIterator[RequestOutput]]
-                       ) -> list[RequestOutput]:
-        async def last_of(gen):
-            last = None
-            async for out in gen:
-                last = out
-            return last
-        work = asyncio.ensure_future(asyncio.gather(*(last_of(g) for g in gens)))
-        watcher = asyncio.ensure_future(_until_disconnect(request, work))
-        try:
-            return await work
-        finally:
-            watcher.cancel()
-
-    def _spec_metrics(out: RequestOutput) -> dict | None:
-        s = out.spec_metrics
-        if s is None:
-            return None
-        return {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
-                "num_accepted_tokens": s.num_accepted_tokens,
-                "accepted_per_position": s.num_accepted_tokens_per_pos,
-                "acceptance_rate": s.acceptance_rate,
-                "mean_acceptance_length": s.mean_acceptance_length}
-
-    def _completion_logprobs(out: RequestOutput) -> dict | None:
-        lps = out.outputs[0].logprobs
-        if lps is None:
-            return None
-        toks = out.outputs[0].token_ids[:len(lps)]
-        dec = (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer else str
-        return {"tokens": [dec(t) for t in toks],
-                "token_logprobs": [lp[t] for t, lp in zip(toks, lps)],
-                "top_logprobs": [{dec(k): v for k, v in lp.items()} for lp in lps],
-                "text_offset": []}
-
-    def _usage(outs: list[RequestOutput]) -> dict:
-        p = sum(len(o.prompt_token_ids) for o in outs)
-        c = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def _holdback(req) -> int:
-        """Characters kept back while streaming: a stop string may still cut them."""
-        stops = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        return max((len(s) for s in stops), default=1) - 1
-
-    async def _sse(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-        try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-        except APIError as e:
-            yield f"data: {json.dumps(error_body(e.message, e.type, e.code))}\n\n"
-        yield "data: [DONE]\n\n"
-
-    async def _merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Interleave several requests' outputs as they arrive, tagged with their index."""
-        if len(gens) == 1:              # the common case: no extra task and queue hop per step
-            async for out in gens[0]:
-                yield 0, out
-            return
-        q: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i, gen):
-            try:
-                async for out in gen:
-                    await q.put((i, out))
-                await q.put((i, None))
-            except BaseException as e:       # hand errors to the consumer
-                await q.put((i, e))
-
-        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-        try:
-            remaining = len(gens)
-            while remaining:
-                i, item = await q.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req: CompletionRequest = await _parse(request, CompletionRequest)
-        prepared = [_prepare(p, req) for p in req.prompts()]
-        rid, created = new_id("cmpl"), now()
-        gens = [_run(ids, _params(req, mt, req.logprobs), f"{rid}-{i}")
-                for i, (ids, mt) in enumerate(prepared)]
-        if not req.stream:
-            outs = await _collect(request, gens)
-            choices = [{"index": i, "text": o.outputs[0].text, "logprobs": _completion_logprobs(o),
-                        "finish_reason": o.outputs[0].finish_reason,
-                        "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
-            body = {"id": rid, "object": "text_completion", "created": created,
-                    "model": served_model_name, "choices": choices, "usage": _usage(outs)}
-            if req.include_spec_metrics:
-                body["spec_metrics"] = [_spec_metrics(o) for o in outs]
-            return JSONResponse(body)
-
-        async def chunks():
-            sent = [0] * len(gens)
-            finals: list[RequestOutput | None] = [None] * len(gens)
-            hold = _holdback(req)
-            async for i, out in _merge(gens):
-                comp = out.outputs[0]
-                end = len(comp.text) if out.finished else max(sent[i], len(comp.text) - hold)
-                delta = comp.text[sent[i]:end]
-                sent[i] = end
-                if not delta and not out.finished:
-                    continue
-                chunk = {"id": rid, "object": "text_completion", "created": created,
-                         "model": served_model_name,
-                         "choices": [{"index": i, "text": delta, "logprobs": None,
-                                      "finish_reason": comp.finish_reason}]}
-                if out.finished:
-                    finals[i] = out
-                    if req.include_spec_metrics:
-                        chunk["spec_metrics"] = _spec_metrics(out)
-                yield chunk
-            if req.stream_options and req.stream_options.include_usage:
-                yield {"id": rid, "object": "text_completion", "created": created,
-                       "model": served_model_name, "choices": [],
-                       "usage": _usage([o for o in finals if o is not None])}
-        return StreamingResponse(_sse(chunks()), media_type="text/event-stream")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so chat is not available")
-        try:
-            prompt = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in req.messages])
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        ids, max_tokens = _prepare(prompt, req)
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = _params(req, max_tokens, logprobs)
-        rid, created = new_id("chatcmpl"), now()
-        gen = _run(ids, params, rid)
-        if not req.stream:
-            (out,) = await _collect(request, [gen])
-            comp = out.outputs[0]
-            body = {"id": rid, "object": "chat.completion", "created": created,
-                    "model": served_model_name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": comp.text},
-                                 "logprobs": _chat_logprobs(out) if req.logprobs else None,
-                                 "finish_reason": comp.finish_reason,
-                                 "stop_reason": comp.stop_reason}],
-                    "usage": _usage([out])}
-            if req.include_spec_metrics:
-                body["spec_metrics"] = _spec_metrics(out)
-            return JSONResponse(body)
-
-        def chunk(delta: dict, finish: str | None) -> dict:
-            return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": served_model_name,
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                 "finish_reason": finish}]}
-
-        async def chunks():
-            yield chunk({"role": "assistant", "content": ""}, None)
-            sent, hold, final = 0, _holdback(req), None
-            async for out in gen:
-                comp = out.outputs[0]
-                end = len(comp.text) if out.finished else max(sent, len(comp.text) - hold)
-                delta, sent = comp.text[sent:end], end
-                if delta or out.finished:
-                    c = chunk({"content": delta} if delta else {}, comp.finish_reason)
-                    if out.finished and req.include_spec_metrics:
-                        c["spec_metrics"] = _spec_metrics(out)
-                    yield c
-                final = out
-            if req.stream_options and req.stream_options.include_usage and final is not None:
-                yield {"id": rid, "object": "chat.completion.chunk", "created": created,
-                       "model": served_model_name, "choices": [], "usage": _usage([final])}
-        return StreamingResponse(_sse(chunks()), media_type="text/event-stream")
-
-    def _chat_logprobs(out: RequestOutput) -> dict | None:
-        lps = out.outputs[0].logprobs
-        if lps is None:
-            return None
-        dec = lambda t: tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
-        content = []
-        for t, lp in zip(out.outputs[0].token_ids, lps):
-            s = dec(t)
-            content.append({"token": s, "logprob": lp[t], "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": dec(k), "logprob": v,
-                                              "bytes": list(dec(k).encode())}
-                                             for k, v in lp.items()]})
-        return {"content": content}
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        _auth(request)
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model",
-                                            "created": now(), "owned_by": "specserve",
-                                            "max_model_len": engine.max_model_len}]}
-
-    @app.get("/health")
-    async def health():
-        if not async_engine.alive:
-            return JSONResponse(error_body("the engine loop has stopped", "server_error"), 503)
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
+    open_paths = {"/health"} | ({"/metrics", *_DOC_PATHS} if config.public_metrics else set())
+    if config.origins():
+        app.add_middleware(CORSMiddleware, allow_origins=config.origins(),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
+    # added last = runs first: a wrong Host or key is refused before anything else
+    app.add_middleware(Gate, hosts=config.host_names(), api_key=config.api_key,
+                       open_paths=frozenset(open_paths))
     return app

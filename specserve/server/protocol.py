@@ -138,3 +138,16 @@ def now() -> int:
 def error_body(message: str, type_: str = "invalid_request_error", code: int | str | None = None,
                param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The OpenAI error body every 4xx and 5xx answer carries."""
+
+    error: ErrorInfo

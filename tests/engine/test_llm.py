@@ -137,7 +137,7 @@ def test_max_model_len_limits_output(llama_dir):
     ({"max_model_len": 16}, list(range(16)), "prompt has 16 tokens, but the context length"),
     ({}, [], "the prompt is empty"),
     ({}, [1, 500], r"outside the vocabulary \[0, 96\)"),
-    ({}, "text", "no tokenizer.json; pass TokensPrompt"),
+    ({}, "text", r"no tokenizer \(no tokenizer.json\); give token ids"),
 ])
 def test_bad_prompts(llama_dir, kwargs, prompt, match):
     llm = LLM(str(llama_dir), device="cpu", **kwargs)

@@ -4,7 +4,7 @@ from specserve import SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"temperature": -0.1}, "temperature must be >= 0"),
+    ({"temperature": -0.1}, r"temperature must be 0 \(greedy\) or at least 1e-05"),
     ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
     ({"top_k": 0}, "top_k must be -1"),
     ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),

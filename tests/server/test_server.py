@@ -16,6 +16,7 @@ import uvicorn
 
 from specserve import LLM, SamplingParams
 from specserve.engine.engine import LLMEngine
+from specserve.config import ServerConfig
 from specserve.llm import build_engine_config
 from specserve.server.app import build_app
 
@@ -23,9 +24,10 @@ NAME = "tiny"
 
 
 @contextlib.contextmanager
-def live_server(model_dir, spec=None, api_key=None, **engine_kw):
+def live_server(model_dir, spec=None, server_kw=None, **engine_kw):
     engine = LLMEngine(build_engine_config(str(model_dir), spec, device="cpu", **engine_kw))
-    app = build_app(engine, NAME, api_key=api_key, max_request_bytes=64 * 1024)
+    app = build_app(engine, ServerConfig(served_model_name=NAME, max_request_bytes=64 * 1024,
+                                         **(server_kw or {})))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -186,7 +188,7 @@ def test_models_health_metrics(client, server):
     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
     ({"prompt": "x", "max_tokens": 1000}, 400, "maximum context length is 128 tokens"),
     ({"prompt": "hello " * 200, "max_tokens": 1}, 400, "shorten the prompt"),
-    ({"prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature must be 0 (greedy) or at least"),
     ({"prompt": "x", "model": "gpt-9"}, 404, "the model 'gpt-9' does not exist"),
     ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
     ({"prompt": []}, 400, "prompt must not be an empty list"),
@@ -214,7 +216,7 @@ def test_bad_chat_input(client):
 
 
 def test_api_key(text_model_dir):
-    with live_server(text_model_dir, api_key="sekret") as (base, _, _):
+    with live_server(text_model_dir, server_kw={"api_key": "sekret"}) as (base, _, _):
         bad = openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError, match="API key"):
             bad.completions.create(model=NAME, prompt="x", max_tokens=2)
