@@ -153,23 +153,22 @@ class _Server:
         """Stream a request's outputs and record its latency metrics; engine errors become
         APIErrors whose text holds no internals (the log has them)."""
         timing = _Timing()
-        last = None
+        reason = "abort"            # unless it finishes or fails
         try:
             async for out in self.async_engine.generate(ids, params, request_id):
                 timing.update(len(out.outputs[0].token_ids))
-                last = out
+                reason = out.outputs[0].finish_reason or reason
                 yield out
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        except RequestFailedError:
+        except (RequestFailedError, EngineDeadError) as e:
+            reason = "error"
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), "server_error", "engine_dead") from None
             raise APIError(500, f"the request failed inside the engine (request id "
                            f"{request_id}); the server log has the details; other requests "
                            "are unaffected", "server_error") from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), "server_error", "engine_dead") from None
         finally:
-            reason = (last.outputs[0].finish_reason if last is not None and last.finished
-                      else "error" if self.async_engine.error else "abort")
             self.metrics.observe_request(
                 None if timing.first is None else timing.first - timing.start, timing.itls,
                 time.monotonic() - timing.start, reason)

@@ -63,3 +63,28 @@ def test_greedy_ids_take_the_first_of_equal_maxima_like_torch():
     for t in (x, x.to(torch.bfloat16), x[:, ::2]):           # NumPy path, torch path, strided
         assert greedy_ids(t) == t.argmax(dim=-1).tolist()
     assert greedy_ids(x)[1] == 7 and greedy_ids(x)[2] == 4
+
+
+def test_degenerate_rows_fall_back_to_their_argmax():
+    """A row that is no distribution after filtering (a NaN or inf logit) samples its argmax
+    while the other rows keep their distribution: one row cannot fail the batch."""
+    from specserve.sampling.sampler import sample_from
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5],
+                           [0.0, float("nan"), 3.0, 1.0],
+                           [float("-inf"), float("inf"), 0.0, 0.0],
+                           [float("nan")] * 4])
+    probs = process_logits(logits, [SamplingParams(temperature=1.0)] * 4)
+    assert torch.allclose(probs[0], logits[0].softmax(-1))
+    assert probs[1].tolist() == [0, 0, 1, 0]
+    assert probs[2].tolist() == [0, 1, 0, 0]
+    assert probs[3].sum() == 1 and probs[3].isfinite().all()
+    g = torch.Generator().manual_seed(0)
+    assert [sample_from(p, g) for p in probs[1:3]] == [2, 1]
+
+
+def test_sample_from_a_vector_with_no_mass_gives_its_argmax():
+    from specserve.sampling.sampler import sample_from
+    g = torch.Generator().manual_seed(0)
+    assert sample_from(torch.zeros(4), g) == 0
+    assert sample_from(torch.tensor([0.1, float("nan"), 0.7, 0.2]), g) == 2
+    assert sample_from(torch.tensor([0.1, -1.0, 0.7, 0.2]), g) == 2
