@@ -47,6 +47,11 @@ class ModelConfig:
         "help": "float32 or bfloat16 on the CPU: run decode, verify and prompt steps (up to "
                 "512 rows with AVX-512, 48 with AVX2) in specserve's compiled kernel (built "
                 "with the C compiler on first use; the PyTorch path runs where it cannot be)"})
+    freeze_gc: bool = field(default=False, metadata={
+        "help": "move everything alive once the engine is built (models, caches, tokenizer) "
+                "out of Python's garbage collector (gc.freeze), so that its collections during "
+                "decoding stop walking them: batch-1 EAGLE-3 about 9%% faster on a 2-core CPU. "
+                "It changes the collector of the whole process, so it is off unless asked"})
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

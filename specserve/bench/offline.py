@@ -120,7 +120,7 @@ class SpecserveRunner:
                  cpu_kernel: bool = True) -> None:
         from specserve import LLM
         self.name = name
-        self.llm = LLM(target, speculative_config=spec, dtype=dtype, device="cpu",
+        self.llm = LLM(target, speculative_config=spec, dtype=dtype, device="cpu", freeze_gc=True,
                        max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel)
         self.spec, self.dtype = spec, dtype
         self.tpots: list[float] = []        # ms per decoded token of each request this round

@@ -124,7 +124,7 @@ def _offline_tpot_ms(model: str, spec: dict | None, prompts: list[str], max_toke
     """The offline engine's time per output token after the first (the server's TPOT), median
     over `prompts` run one at a time."""
     from specserve import LLM, SamplingParams
-    engine = LLM(model, speculative_config=spec, device="cpu", dtype=dtype).engine
+    engine = LLM(model, speculative_config=spec, device="cpu", dtype=dtype, freeze_gc=True).engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     tpots = []
     for p in [prompts[0], *prompts]:             # the first run warms up

@@ -34,7 +34,7 @@ def node_rates(model: str, spec: dict, prompts: list[str], max_tokens: int, temp
                dtype: str) -> list[float]:
     """Per node of spec's tree: accepted steps / verify steps."""
     from specserve import LLM, SamplingParams
-    llm = LLM(model, speculative_config=spec, dtype=dtype, device="cpu")
+    llm = LLM(model, speculative_config=spec, dtype=dtype, device="cpu", freeze_gc=True)
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
                              ignore_eos=True) for i in range(len(prompts))]
     llm.generate(prompts, params, use_tqdm=False)

@@ -92,12 +92,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._start = time.monotonic()
         self._last_log = self._start
-        # The models, caches and tokenizer live as long as the engine: out of the collector's
-        # generations, its collections during decoding (each step allocates) stop walking them:
-        # in a throwaway A/B, batch-1 EAGLE-3 about 9% faster, no-spec unchanged. What dies
-        # later by reference count (an engine, when dropped) is still freed.
-        gc.collect()
-        gc.freeze()
+        if mc.freeze_gc:        # opt-in: it is process-wide (see ModelConfig.freeze_gc)
+            gc.collect()
+            gc.freeze()
 
     # ---- requests -------------------------------------------------------------------------
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:

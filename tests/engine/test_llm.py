@@ -163,11 +163,15 @@ def test_unknown_engine_arg(llama_dir):
         LLM(str(llama_dir), max_batch=3)
 
 
-def test_the_engine_heap_is_out_of_the_collectors_reach(llama_dir):
-    """The models and caches are frozen after start-up: the cyclic collector, which runs
-    during decoding, no longer walks them (vLLM freezes its engine heap the same way)."""
+def test_the_engine_leaves_the_garbage_collector_alone_unless_asked(llama_dir):
+    """freeze_gc=True takes the models and caches out of the cyclic collector's walk (vLLM
+    freezes its engine heap the same way); by default the process's collector is untouched."""
     import gc
-    llm = LLM(str(llama_dir), device="cpu")
+    gc.unfreeze()
+    LLM(str(llama_dir), device="cpu")
+    assert gc.get_freeze_count() == 0
+    llm = LLM(str(llama_dir), device="cpu", freeze_gc=True)
     walked = {id(o) for o in gc.get_objects()}
     assert id(llm.engine.model) not in walked and id(llm.engine.cache) not in walked
     assert id(llm.engine.model.layers[0]) not in walked
+    gc.unfreeze()
