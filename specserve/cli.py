@@ -11,8 +11,8 @@ import json
 import sys
 import time
 
-from specserve.config import (HEAD_METHODS, ModelConfig, SchedulerConfig, ServerConfig,
-                              load_json_or_yaml_arg)
+from specserve.config import ModelConfig, SchedulerConfig, ServerConfig, load_json_or_yaml_arg
+from specserve.methods import head_methods
 
 
 def _arg_type(f: dataclasses.Field):
@@ -106,7 +106,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         args.work_dir = str(Path("runs") / Path(args.out).name)
     cfg = TrainConfig(**dataclass_kwargs(args, TrainConfig))
     shape = ModelShape(**dataclass_kwargs(args, ModelShape))
-    if args.kind in HEAD_METHODS:
+    if args.kind in head_methods():
         from specserve.train.heads import train_head
         result = train_head(args.kind, cfg, Path(args.target), Path(args.out),
                             k=args.num_speculative_tokens,
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model: lm (pretraining), unlikelihood (fine-tune "
                        "--target so that its greedy output stops looping), draft "
                        "(distillation) or a draft head for a target")
-    t.add_argument("kind", choices=["lm", "unlikelihood", "draft", *HEAD_METHODS])
+    t.add_argument("kind", choices=["lm", "unlikelihood", "draft", *head_methods()])
     t.add_argument("--out", required=True, help="the trained model's HF directory")
     t.add_argument("--work-dir", default=None, help="checkpoints and logs; a run resumes from "
                    "here (default: runs/<name of --out>)")

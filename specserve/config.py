@@ -109,10 +109,7 @@ def load_json_or_yaml_arg(value: str | None) -> dict | None:
     return data
 
 
-HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")    # read target hidden states
-METHODS = ("ngram", "suffix", "draft_model", *HEAD_METHODS)
 REJECTION_METHODS = ("strict", "probabilistic", "synthetic")
-TREE_METHODS = ("eagle", "eagle3", "medusa", "mtp")    # drafters that can expand a token tree
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")
 
 
@@ -121,8 +118,8 @@ class SpeculativeConfig:
     """`speculative_config` (vLLM key names). Build from user input with `from_dict`."""
 
     method: str | None = field(default=None, metadata={
-        "help": "ngram, suffix, draft_model, eagle, eagle3, medusa, mlp_speculator, mtp; "
-                "inferred from `model` when omitted"})
+        "help": "the drafting method (specserve.methods.REGISTRY); detected from `model` "
+                "when omitted"})
     model: str | None = field(default=None, metadata={"help": "draft model or head directory"})
     num_speculative_tokens: int | None = field(default=None, metadata={
         "help": "K, most draft tokens per request per step"})
@@ -184,15 +181,8 @@ class SpeculativeConfig:
         return cls(**data)
 
     def __post_init__(self) -> None:
-        if self.method is None:
-            self.method = infer_method(self.model)
-        if self.method not in METHODS:
-            raise ValueError(f"speculative_config method {self.method!r} is not known; use one "
-                             f"of {', '.join(METHODS)}")
-        if self.method in ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator") \
-                and not self.model:
-            raise ValueError(f"speculative_config method {self.method!r} needs 'model': the "
-                             "path of the draft model or head directory")
+        # What depends on the method (its detection, its own keys, what it can do) is checked
+        # by the method registry: specserve.methods.resolve.
         if self.speculative_token_tree is not None:
             self._check_tree()
         if self.num_speculative_tokens is None:
@@ -203,20 +193,6 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > 128:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} is above "
                              "the limit of 128")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        if self.method != "ngram" and (lo is not None or hi is not None):
-            raise ValueError("prompt_lookup_min/prompt_lookup_max apply to method 'ngram' only")
-        if self.method == "ngram":
-            if lo is None and hi is None:
-                lo = hi = 5
-            lo = hi if lo is None else lo
-            hi = lo if hi is None else hi
-            if lo < 1 or hi < 1:
-                raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be >= 1, got "
-                                 f"{lo} and {hi}")
-            if lo > hi:
-                raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         if self.suffix_decoding_max_tree_depth < 1:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 1, got "
                              f"{self.suffix_decoding_max_tree_depth}")
@@ -259,27 +235,16 @@ class SpeculativeConfig:
         t = self.draft_confidence_threshold
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t < 1:
             raise ValueError(f"draft_confidence_threshold must be a number in [0, 1), got {t!r}")
-        if t and self.method not in ("draft_model", "eagle", "eagle3", "mtp"):
-            raise ValueError("draft_confidence_threshold applies to draft_model, eagle, eagle3 "
-                             f"and mtp (drafters that run step by step), not {self.method!r}")
         n = self.hybrid_prompt_lookup
-        if n is not None:
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"hybrid_prompt_lookup must be an int >= 1 (the tokens to "
-                                 f"match) or null, got {n!r}")
-            if self.method not in ("draft_model", *HEAD_METHODS):
-                raise ValueError(f"hybrid_prompt_lookup adds prompt lookup to a model-based "
-                                 f"drafter, not to {self.method!r}; for prompt lookup alone use "
-                                 "method 'ngram'")
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"hybrid_prompt_lookup must be an int >= 1 (the tokens to match) "
+                             f"or null, got {n!r}")
         if not isinstance(self.adaptive_k, bool):
             raise ValueError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
 
     def _check_tree(self) -> None:
         tree = TokenTree.parse(self.speculative_token_tree)
         self.speculative_token_tree = [list(p) for p in tree.paths]     # normalised, JSON-able
-        if self.method not in TREE_METHODS:
-            raise ValueError(f"speculative_token_tree applies to {', '.join(TREE_METHODS)}, "
-                             f"not {self.method!r}")
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = len(tree)
         elif self.num_speculative_tokens != len(tree):
@@ -327,29 +292,6 @@ def _check_schedule(schedule) -> None:
         if (i == 0 and start != 1) or start <= prev_end or end < start or k < 0:
             raise ValueError(f"{hint}; entry {i} is {list(entry)!r}")
         prev_end = end
-
-
-def infer_method(model: str | None) -> str:
-    """Method from the draft's config.json (model_type / architectures), then from its name."""
-    if model is None:
-        raise ValueError("speculative_config needs 'method' (ngram, suffix, ...) or 'model'")
-    hints = [Path(model).name.lower()]
-    cfg_path = Path(model) / "config.json"
-    if cfg_path.is_file():
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
-        hints = [str(cfg.get("speculators_model_type", "")), str(cfg.get("model_type", "")),
-                 *map(str, cfg.get("architectures") or [])] + hints
-    for hint in hints:
-        h = hint.lower()
-        for key, method in (("eagle3", "eagle3"), ("eagle-3", "eagle3"), ("eagle", "eagle"),
-                            ("medusa", "medusa"), ("mlp_speculator", "mlp_speculator"),
-                            ("mlpspeculator", "mlp_speculator"), ("mtp", "mtp")):
-            if key in h:
-                return method
-    return "draft_model"
 
 
 @dataclass

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from specserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from specserve.engine.engine import LLMEngine
 from specserve.inputs import PromptType
+from specserve.methods import resolve_speculative_config
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 
@@ -21,14 +22,13 @@ def _fields(cls) -> set[str]:
 def build_engine_config(model: str, speculative_config: dict | None = None,
                         **kwargs) -> EngineConfig:
     """Split keyword arguments over the config dataclasses; unknown names are an error."""
-    from specserve.config import SpeculativeConfig
     known = _fields(ModelConfig) | _fields(SchedulerConfig) | {"log_stats_interval_s"}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known)}")
     mc = ModelConfig(model=model, **{k: v for k, v in kwargs.items() if k in _fields(ModelConfig)})
     sc = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in _fields(SchedulerConfig)})
-    spec = (SpeculativeConfig.from_dict(speculative_config)
+    spec = (resolve_speculative_config(speculative_config)
             if speculative_config is not None else None)
     return EngineConfig(mc, sc, spec, kwargs.get("log_stats_interval_s", 0.0))
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from specserve.config import SpeculativeConfig, load_json_or_yaml_arg
+from specserve.config import load_json_or_yaml_arg
+from specserve.methods import resolve_speculative_config
 
 
 @pytest.mark.parametrize("cfg, match", [
@@ -21,7 +22,7 @@ from specserve.config import SpeculativeConfig, load_json_or_yaml_arg
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
      "must be >= 1, got 0"),
     ({"method": "suffix", "num_speculative_tokens": 2, "prompt_lookup_min": 2},
-     "apply to method 'ngram' only"),
+     "prompt_lookup_min applies to method 'ngram' only"),
     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 0},
      "suffix_decoding_max_tree_depth must be >= 1"),
     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_cached_requests": -1},
@@ -54,22 +55,22 @@ from specserve.config import SpeculativeConfig, load_json_or_yaml_arg
       "draft_confidence_threshold": 1.0},
      r"draft_confidence_threshold must be a number in \[0, 1\), got 1.0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_confidence_threshold": 0.5},
-     "draft_confidence_threshold applies to draft_model, eagle, eagle3 and mtp"),
+     "draft_confidence_threshold applies to draft_model, eagle3, eagle, mtp, not 'ngram'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
      "unknown speculative_config key 'lookahead'; valid keys: method, model"),
 ])
 def test_validation_messages(cfg, match):
     with pytest.raises(ValueError, match=match):
-        SpeculativeConfig.from_dict(cfg)
+        resolve_speculative_config(cfg)
 
 
 def test_defaults_and_mirroring():
-    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    c = resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
-    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+    c = resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
                                      "prompt_lookup_max": 4})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
-    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+    c = resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
                                      "rejection_sample_method": "standard"})
     assert c.rejection_sample_method == "strict"
 
@@ -78,14 +79,14 @@ def test_method_inferred_from_model(tmp_path):
     d = tmp_path / "some-draft"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
-    assert SpeculativeConfig.from_dict({"model": str(d), "num_speculative_tokens": 2}).method \
+    assert resolve_speculative_config({"model": str(d), "num_speculative_tokens": 2}).method \
         == "draft_model"
     e = tmp_path / "heads"
     e.mkdir()
     (e / "config.json").write_text(json.dumps({"architectures": ["MedusaModel"]}))
-    assert SpeculativeConfig.from_dict({"model": str(e), "num_speculative_tokens": 2}).method \
+    assert resolve_speculative_config({"model": str(e), "num_speculative_tokens": 2}).method \
         == "medusa"
-    assert SpeculativeConfig.from_dict({"model": str(tmp_path / "x-eagle3-head"),
+    assert resolve_speculative_config({"model": str(tmp_path / "x-eagle3-head"),
                                         "num_speculative_tokens": 2}).method == "eagle3"
 
 

@@ -209,7 +209,7 @@ def test_eagle3_sampling_matches_exact_distribution(small_vocab_pair, exact_pair
     """A head over a reduced draft vocabulary (5 of the 8 ids reachable through d2t), whose
     greedy drafts the strict verifier treats as one-hot; as a chain, and as a tree whose
     second-best branch must also keep the distribution."""
-    from tests.proposers.test_heads import eagle3_ckpt
+    from tests.methods.test_heads import eagle3_ckpt
     head = eagle3_ckpt(tmp_path / "e3", draft_vocab=5, vocab=8, seed=seed)
     llm = LLM(str(small_vocab_pair[0]), device="cpu", max_num_seqs=64, max_num_batched_tokens=512,
               speculative_config={"model": str(head)} | shape)
@@ -305,7 +305,7 @@ def test_confidence_threshold_keeps_output_and_shortens_drafts(method, llama_dir
                                                                 tmp_path):
     """Drafting stops after the first token the drafter is unsure of: greedy output is
     unchanged and the drafts get shorter as the threshold rises (never empty)."""
-    from tests.proposers.test_heads import eagle3_ckpt
+    from tests.methods.test_heads import eagle3_ckpt
     model = str(draft_dir) if method == "draft_model" else str(eagle3_ckpt(tmp_path / "e3"))
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4, seed=3)]
     base = LLM(str(llama_dir), device="cpu")

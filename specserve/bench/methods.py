@@ -7,24 +7,25 @@ import argparse
 import json
 from pathlib import Path
 
-from specserve.config import HEAD_METHODS, METHODS
+from specserve import methods
 from specserve.train.heads import head_dir
 
 
 def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict]:
     """The model a benchmark loads for `method` and its speculative_config with K = k."""
-    spec = {"method": method, "num_speculative_tokens": k}
-    if method == "ngram":
-        return target, spec | {"prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    if method == "suffix":
-        return target, spec
-    if method == "draft_model":
+    try:
+        m = methods.get(method)
+    except ValueError:
+        raise SystemExit(f"unknown method {method!r}; choose from "
+                         f"{', '.join(methods.REGISTRY)}") from None
+    spec = {"method": m.name, "num_speculative_tokens": k} | m.suggested
+    if m.model_is_target:                       # the zoo's target with its own head in it
+        return head_dir(target, m.name), spec
+    if m.reads_hidden_states:                   # the zoo's head for the target
+        return target, spec | {"model": head_dir(target, m.name)}
+    if m.needs_model:
         return target, spec | {"model": draft}
-    if method == "mtp":
-        return head_dir(target, method), spec
-    if method in HEAD_METHODS:
-        return target, spec | {"model": head_dir(target, method)}
-    raise SystemExit(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    return target, spec
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="models/code-draft")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--methods", default="available",
-                   help="comma-separated, from " + ", ".join(METHODS) + "; default: every method "
+                   help="comma-separated, from " + ", ".join(methods.REGISTRY) + "; default: every method "
                         "whose draft or head exists (heads at <target>-<method>); METHOD@DIR "
                         "takes the draft or head from DIR (compare two heads side by side); "
                         "suffixes, combinable: METHOD+tree drafts the --token-tree (eagle, "
@@ -76,7 +77,8 @@ def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:
 def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
     """method name -> (model to load, speculative_config), from the common flags."""
     extra = json.loads(a.spec_extra) if a.spec_extra else {}
-    names = METHODS if a.methods == "available" else tuple(filter(None, a.methods.split(",")))
+    names = (tuple(methods.REGISTRY) if a.methods == "available"
+             else tuple(filter(None, a.methods.split(","))))
     out = {}
     for name in names:
         m, _, path = name.partition("@")
@@ -86,10 +88,11 @@ def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
             spec = spec | _suffix_config(name, suffix, a.token_tree)
         if "speculative_token_tree" in spec:
             spec.pop("num_speculative_tokens")
-        if path and m in ("ngram", "suffix"):
+        uses = methods.get(m)
+        if path and not (uses.needs_model or uses.reads_hidden_states):
             raise SystemExit(f"{m} drafts without a model; drop '@{path}'")
         if path:
-            model, spec = (path, spec) if m == "mtp" else (model, spec | {"model": path})
+            model, spec = (path, spec) if uses.model_is_target else (model, spec | {"model": path})
         needed = Path(spec.get("model", model))
         if a.methods == "available" and not (needed / "config.json").is_file():
             continue

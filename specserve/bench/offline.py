@@ -147,9 +147,7 @@ class SpecserveRunner:
         """Forget what earlier rounds taught the drafter (suffix's past responses: the same
         prompts come again)."""
         self.tpots.clear()
-        forget = getattr(self.llm.engine.proposer, "forget_responses", None)
-        if forget is not None:
-            forget()
+        self.llm.engine.reset_proposer()
 
     def acceptance(self) -> tuple[float, float, list[float]] | None:
         if self.spec is None:
@@ -167,7 +165,7 @@ class SpecserveRunner:
         if choices:
             mean = sum(k * n for k, n in choices.items()) / sum(choices.values())
             notes.append(f"adaptive: mean K {mean:.1f}")
-        lookups = getattr(self.llm.engine.proposer, "num_lookup_drafts", None)
+        lookups = m.get("num_lookup_drafts")
         if lookups is not None:
             notes.append(f"lookup drafted {lookups / max(1, m['spec_decode_num_drafts']):.0%}")
         return ", ".join(notes) or None

@@ -20,7 +20,7 @@ import torch
 
 from specserve.bench.methods import spec_config
 from specserve.bench.prompts import PROMPT_SETS
-from specserve.config import TREE_METHODS
+from specserve import methods
 from specserve.token_tree import TokenTree
 
 
@@ -62,7 +62,7 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="specserve bench tree", description=__doc__)
     p.add_argument("mode", choices=["tree"])
     p.add_argument("--target", default="models/code-target")
-    p.add_argument("--method", default="eagle3", choices=TREE_METHODS)
+    p.add_argument("--method", default="eagle3", choices=[n for n, s in methods.REGISTRY.items() if s.drafts_trees])
     p.add_argument("--model", default=None, help="head directory (default: the zoo's)")
     p.add_argument("--max-depth", type=int, default=6)
     p.add_argument("--max-rank-sum", type=int, default=2)

@@ -20,7 +20,7 @@ from specserve.metrics import SpecDecodingStats
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model, read_json
 from specserve.outputs import CompletionOutput, RequestOutput
-from specserve.proposers.base import Proposal, ProposeBatch, Proposer
+from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.sampling.sampler import token_logprobs
 from specserve.sampling_params import SamplingParams
@@ -76,14 +76,17 @@ class LLMEngine:
         self.proposer: Proposer | None = None
         caches = [self.cache]
         if self.spec is not None:
-            from specserve.proposers import build_proposer
             if self.spec.max_model_len is not None:
                 self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
-            self.proposer = build_proposer(self.spec, self)
-            caches += getattr(self.proposer, "caches", [])
+            self.proposer = build_proposer(self.spec, DraftContext(
+                target=self.model, target_path=mc.model, device=self.device, dtype=self.dtype,
+                num_slots=sc.max_num_seqs, max_model_len=self.max_model_len,
+                vocab_size=self.vocab_size, cpu_kernel=mc.cpu_kernel))
+            if self.proposer.max_model_len is not None:
+                self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
+            caches += self.proposer.caches
+            self.runner.aux_layers = self.proposer.aux_hidden_layers
         self.scheduler = Scheduler(sc, caches)
-        if self.proposer is not None:
-            self.runner.aux_layers = tuple(getattr(self.proposer, "aux_hidden_layers", ()))
         self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec else 0
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens)
         self.adaptive_k = (AdaptiveK(self.num_spec_tokens)
@@ -382,8 +385,15 @@ class LLMEngine:
                              req.is_finished, req.spec_metrics if self.spec else None, metrics,
                              req.error)
 
+    def reset_proposer(self) -> None:
+        """Forget what the proposer kept across requests (a benchmark repeating its prompts)."""
+        if self.proposer is not None:
+            self.proposer.reset()
+
     def get_metrics(self) -> dict:
         m = self.spec_stats.as_dict()
+        if self.proposer is not None:
+            m |= self.proposer.stats()
         if self.adaptive_k is not None:
             m["adaptive_k_choices"] = dict(sorted(self.adaptive_k.chosen.items()))  # K -> steps
         return m

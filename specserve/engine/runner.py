@@ -8,106 +8,12 @@ their depth and masked to see only their ancestors (`tree_rows`, `build_tree_met
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.kv_cache import KVCache
-from specserve.models.layers import AttentionMetadata
-from specserve.token_tree import ancestors, node_depths
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    logits: torch.Tensor            # [num_sample_rows, vocab] float32, request-major
-    hidden: torch.Tensor            # [num_tokens, hidden] final hidden states of all fed tokens
-    aux_hidden: torch.Tensor | None  # [num_tokens, len(aux_layers) * hidden] or None
-    cu_num_tokens: list[int]        # [batch + 1] offsets of each request's tokens in the flat batch
-    starts: list[int]               # [batch] position of each request's first fed token
-
-    def rows(self, i: int, num_valid_end: int) -> tuple[int, int]:
-        """Flat rows of request i whose KV is kept: positions starts[i]..num_valid_end-1."""
-        return self.cu_num_tokens[i], self.cu_num_tokens[i] + num_valid_end - self.starts[i]
-
-
-def build_metadata(starts: list[int], lens: list[int], slots: list[int],
-                   device: torch.device) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Attention metadata for requests whose new tokens start at `starts` with `lens` tokens.
-
-    Returns the metadata and the flat positions [num_tokens].
-    """
-    B, Q = len(lens), max(lens)
-    positions = torch.tensor([s + j for s, n in zip(starts, lens) for j in range(n)],
-                             dtype=torch.long, device=device)
-    max_kv = max(s + n for s, n in zip(starts, lens))
-    md = _metadata(slots, lens, positions, max_kv, None, device)
-    if not (B == 1 and Q == 1):
-        md.starts = list(starts)            # the causal mask, built only if a layer needs it
-    return md, positions
-
-
-def build_tree_metadata(slots: list[int], store: list[list[int]], ctx: list[list[int]],
-                        extra: list[list[list[int]]], device: torch.device) -> AttentionMetadata:
-    """Metadata for rows that are not one causal run (draft tree nodes): row j of request b
-    writes its KV at position store[b][j] and attends to the positions < ctx[b][j] plus the
-    positions extra[b][j] (a node's ancestors and itself). Its rotary position is the caller's."""
-    lens = [len(s) for s in store]
-    B, Q = len(lens), max(lens)
-    max_kv = max(max(max(s) + 1, max(c)) for s, c in zip(store, ctx))
-    ctx_t = torch.ones(B, Q, dtype=torch.long)      # padding rows see position 0: never all -inf
-    for b, c in enumerate(ctx):
-        ctx_t[b, :len(c)] = torch.tensor(c)
-    mask = torch.arange(max_kv)[None, None, :] < ctx_t[:, :, None]              # [B, Q, L]
-    idx = [(b, j, col) for b, rows in enumerate(extra) for j, cols in enumerate(rows)
-           for col in cols]
-    if idx:
-        bi, qi, ci = zip(*idx)
-        mask[list(bi), list(qi), list(ci)] = True
-    positions = torch.tensor([p for s in store for p in s], dtype=torch.long, device=device)
-    md = _metadata(slots, lens, positions, max_kv, mask.unsqueeze(1).to(device), device)
-    md.tree = True
-    return md
-
-
-def _metadata(slots: list[int], lens: list[int], positions: torch.Tensor, max_kv: int,
-              mask: torch.Tensor | None, device: torch.device) -> AttentionMetadata:
-    B, Q = len(lens), max(lens)
-    token_slots = torch.tensor([sl for sl, n in zip(slots, lens) for _ in range(n)],
-                               dtype=torch.long, device=device)
-    pad_index = None
-    if any(n != Q for n in lens):
-        pad_index = torch.tensor([b * Q + j for b, n in enumerate(lens) for j in range(n)],
-                                 dtype=torch.long, device=device)
-    return AttentionMetadata(
-        token_slots=token_slots, positions=positions,
-        slot_ids=torch.tensor(slots, dtype=torch.long, device=device), first_slot=slots[0],
-        batch_size=B, max_query_len=Q, max_kv_len=max_kv, pad_index=pad_index, mask=mask)
-
-
-def tree_rows(start: int, n_known: int, parents: list[int] | None, k: int
-              ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
-    """(KV positions, rotary positions, ctx, extra) of a request feeding n_known tokens from
-    `start` and then k drafts with tree `parents` (None: a chain), for build_tree_metadata.
-    Draft i is stored at start + n_known + i but rotated at its depth in the tree."""
-    store = list(range(start, start + n_known + k))
-    if parents is None:
-        return store, store, [p + 1 for p in store], [[] for _ in store]
-    last = start + n_known - 1
-    rope = store[:n_known] + [last + d for d in node_depths(parents)]
-    ctx = [p + 1 for p in store[:n_known]] + [last + 1] * k
-    extra = [[] for _ in range(n_known)] + [[last + 1 + a for a in ancestors(parents, i)]
-                                            for i in range(k)]
-    return store, rope, ctx, extra
-
-
-def ragged_inputs(token_lists: list[list[int]], starts: list[int], slots: list[int],
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Flat token ids [T], positions [T] and attention metadata for requests feeding
-    `token_lists[i]` from position `starts[i]` into KV slot `slots[i]`."""
-    md, positions = build_metadata(starts, [len(t) for t in token_lists], slots, device)
-    ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=device)
-    return ids, positions, md
+from specserve.methods import RunnerOutput
+from specserve.models.metadata import build_metadata, build_tree_metadata, tree_rows
 
 
 class ModelRunner:

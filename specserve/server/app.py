@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
@@ -84,6 +84,17 @@ def _json_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+class _ClosingStream(StreamingResponse):
+    """Closes its body generator however the response ends: a client that hangs up leaves it
+    suspended, and only closing it runs the finally blocks that abort the engine request."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 class _Server:
     """The routes' shared state and helpers (one per app)."""
 
@@ -155,10 +166,11 @@ class _Server:
         timing = _Timing()
         reason = "abort"            # unless it finishes or fails
         try:
-            async for out in self.async_engine.generate(ids, params, request_id):
-                timing.update(len(out.outputs[0].token_ids))
-                reason = out.outputs[0].finish_reason or reason
-                yield out
+            async with aclosing(self.async_engine.generate(ids, params, request_id)) as outs:
+                async for out in outs:
+                    timing.update(len(out.outputs[0].token_ids))
+                    reason = out.outputs[0].finish_reason or reason
+                    yield out
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except (RequestFailedError, EngineDeadError) as e:
@@ -178,8 +190,9 @@ class _Server:
         """The final output of each request; their work is cancelled if the client leaves."""
         async def last_of(gen):
             last = None
-            async for out in gen:
-                last = out
+            async with aclosing(gen):
+                async for out in gen:
+                    last = out
             return last
         work = asyncio.ensure_future(asyncio.gather(*(last_of(g) for g in gens)))
 
@@ -195,11 +208,12 @@ class _Server:
         finally:
             watcher.cancel()
 
-    def stream(self, chunks: AsyncIterator[dict]) -> StreamingResponse:
+    def stream(self, chunks) -> StreamingResponse:
         async def events() -> AsyncIterator[str]:
             try:
-                async for chunk in chunks:
-                    yield sse(chunk)
+                async with aclosing(chunks):
+                    async for chunk in chunks:
+                        yield sse(chunk)
             except APIError as e:
                 yield sse(error_body(e.message, e.type, e.code))
             except Exception:
@@ -207,7 +221,7 @@ class _Server:
                 yield sse(error_body("internal error; the server log has the details",
                                      "server_error"))
             yield sse("[DONE]")
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _ClosingStream(events(), media_type="text/event-stream")
 
     # ---- routes -----------------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -234,20 +248,21 @@ class _Server:
         async def chunks():
             trackers = [DeltaTracker(req.stop) for _ in gens]
             finals: list[RequestOutput] = []
-            async for i, out in merge(gens):
-                d = trackers[i].next(out)
-                if d is None:
-                    continue
-                comp = out.outputs[0]
-                chunk = head | {"choices": [{
-                    "index": i, "text": d.text, "finish_reason": comp.finish_reason,
-                    "logprobs": responses.completion_logprobs(d.token_ids, d.logprobs,
-                                                              self.decode)}]}
-                if out.finished:
-                    finals.append(out)
-                    if req.include_spec_metrics:
-                        chunk["spec_metrics"] = responses.spec_metrics(out)
-                yield chunk
+            async with aclosing(merge(gens)) as outs:
+                async for i, out in outs:
+                    d = trackers[i].next(out)
+                    if d is None:
+                        continue
+                    comp = out.outputs[0]
+                    chunk = head | {"choices": [{
+                        "index": i, "text": d.text, "finish_reason": comp.finish_reason,
+                        "logprobs": responses.completion_logprobs(d.token_ids, d.logprobs,
+                                                                  self.decode)}]}
+                    if out.finished:
+                        finals.append(out)
+                        if req.include_spec_metrics:
+                            chunk["spec_metrics"] = responses.spec_metrics(out)
+                    yield chunk
             if req.stream_options and req.stream_options.include_usage:
                 yield head | {"choices": [], "usage": responses.usage(finals)}
         return self.stream(chunks())
@@ -287,18 +302,20 @@ class _Server:
             yield head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]}
             tracker, final = DeltaTracker(req.stop), None
-            async for out in gen:
-                final = out
-                d = tracker.next(out)
-                if d is None:
-                    continue
-                c = head | {"choices": [{
-                    "index": 0, "delta": {"content": d.text} if d.text else {},
-                    "logprobs": responses.chat_logprobs(d.token_ids, d.logprobs, self.decode),
-                    "finish_reason": out.outputs[0].finish_reason}]}
-                if out.finished and req.include_spec_metrics:
-                    c["spec_metrics"] = responses.spec_metrics(out)
-                yield c
+            async with aclosing(gen):
+                async for out in gen:
+                    final = out
+                    d = tracker.next(out)
+                    if d is None:
+                        continue
+                    c = head | {"choices": [{
+                        "index": 0, "delta": {"content": d.text} if d.text else {},
+                        "logprobs": responses.chat_logprobs(d.token_ids, d.logprobs,
+                                                            self.decode),
+                        "finish_reason": out.outputs[0].finish_reason}]}
+                    if out.finished and req.include_spec_metrics:
+                        c["spec_metrics"] = responses.spec_metrics(out)
+                    yield c
             if req.stream_options and req.stream_options.include_usage and final is not None:
                 yield head | {"choices": [], "usage": responses.usage([final])}
         return self.stream(chunks())

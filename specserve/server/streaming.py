@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from specserve.outputs import RequestOutput
@@ -54,8 +55,9 @@ def sse(chunk: dict | str) -> str:
 async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as they arrive, tagged with their index."""
     if len(gens) == 1:              # the common case: no extra task and queue hop per step
-        async for out in gens[0]:
-            yield 0, out
+        async with aclosing(gens[0]) as gen:
+            async for out in gen:
+                yield 0, out
         return
     q: asyncio.Queue = asyncio.Queue()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.engine.runner import ragged_inputs
+from specserve.models.metadata import ragged_inputs
 from specserve.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model

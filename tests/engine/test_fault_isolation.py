@@ -9,7 +9,7 @@ import torch
 import specserve.sampling.rejection as rejection
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.engine.engine import LLMEngine
-from specserve.proposers.base import Proposal
+from specserve.methods.base import Proposal
 
 BAD_SEED = 666          # marks the request whose work fails
 

@@ -9,14 +9,15 @@ import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.config import SpeculativeConfig
+from specserve.methods import resolve_speculative_config
 from specserve.engine.engine import make_kv_cache
-from specserve.engine.runner import build_metadata, build_tree_metadata, tree_rows
+from specserve.models.metadata import build_metadata, build_tree_metadata, tree_rows
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_model
-from specserve.proposers.base import Proposal
+from specserve.methods.base import Proposal, ProposerBase
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.token_tree import TokenTree, accepted_path, ancestors
-from tests.proposers.test_heads import eagle3_ckpt, eagle_ckpt, medusa_ckpt, mtp_target
+from tests.methods.test_heads import eagle3_ckpt, eagle_ckpt, medusa_ckpt, mtp_target
 
 TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
 
@@ -35,14 +36,14 @@ def test_tree_parsing_and_config_errors():
     assert cfg.num_speculative_tokens == 6 and cfg.token_tree().parents == [-1, 0, 1, 0, -1, 4]
     assert SpeculativeConfig(method="eagle", model="m", speculative_token_tree="[(0,), (0, 0)]",
                              num_speculative_tokens=2).token_tree() is None     # a chain
-    for over, match in [({"method": "ngram"}, "applies to eagle, eagle3, medusa, mtp"),
+    for over, match in [({"method": "ngram"}, "applies to eagle3, eagle, medusa, mtp, not 'ngram'"),
                         ({"num_speculative_tokens": 4}, "must equal the number of nodes"),
                         ({"rejection_sample_method": "synthetic",
                           "synthetic_acceptance_rate": 0.5}, "synthetic"),
                         ({"draft_confidence_threshold": 0.3}, "cannot be combined")]:
         with pytest.raises(ValueError, match=match):
-            SpeculativeConfig(**({"method": "eagle3", "model": "m",
-                                  "speculative_token_tree": TREE} | over))
+            resolve_speculative_config({"method": "eagle3", "model": "m",
+                                        "speculative_token_tree": TREE} | over)
 
 
 def test_tree_attention_equals_each_path_run_alone(llama_dir, path_kind):
@@ -106,11 +107,9 @@ def test_greedy_tree_verification_follows_the_target():
     assert verify(logits, [r])[0, 0].item() == 6
 
 
-class OracleTreeProposer:
+class OracleTreeProposer(ProposerBase):
     """Knows each request's greedy continuation and hides it in a tree at changing branches
     (never only on the first-child chain), so the engine must accept non-first branches."""
-
-    aux_hidden_layers = ()
 
     def __init__(self, refs: dict[tuple, list[int]], dense_hidden: dict) -> None:
         self.refs, self.dense_hidden, self.steps = refs, dense_hidden, 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.engine.runner import build_metadata
+from specserve.models.metadata import build_metadata
 from specserve.kv_cache import KVCache
 from specserve.models.cpu_kernel import linear_rows, load_library, pack_weight
 from specserve.models.layers import use_decode_linears
@@ -139,7 +139,7 @@ def test_the_one_call_forward_equals_the_layer_by_layer_kernel_path(hf_model):
     """LlamaForward (embedding, layers, final norm in one C call) against a C call per layer:
     the same hidden states, EAGLE-3 features and KV bit for bit, over a prompt, a ragged
     verify step and a draft-tree step (its mask and depth-rotated rows)."""
-    from specserve.engine.runner import build_tree_metadata, tree_rows
+    from specserve.models.metadata import build_tree_metadata, tree_rows
     _, path, _ = hf_model
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (23, 9)]
@@ -222,7 +222,7 @@ def test_chain_drafting_in_one_call_drafts_what_the_loop_drafts(method, threshol
     and without a confidence threshold, and the output stays the target's."""
     from specserve import LLM
     from tests.conftest import make_hf_model
-    from tests.proposers.test_heads import (eagle3_ckpt, eagle_ckpt, greedy_of_several_lengths,
+    from tests.methods.test_heads import (eagle3_ckpt, eagle_ckpt, greedy_of_several_lengths,
                                             mtp_target, record_drafts)
     target = llama_dir
     if method == "eagle3":
@@ -261,8 +261,8 @@ def test_chain_drafting_in_one_call_drafts_what_the_loop_drafts(method, threshol
 def test_head_layers_match_the_pytorch_path(method, tmp_path, llama_dir):
     """EAGLE's layer (no input norm), EAGLE-3's (a 2H-wide attention input built outside the
     kernel) and the MTP block: a draft step through the kernel equals the PyTorch path."""
-    from specserve.models.head_loader import load_head
-    from tests.proposers.test_heads import eagle3_ckpt, eagle_ckpt, mtp_target
+    from specserve.methods import load_head
+    from tests.methods.test_heads import eagle3_ckpt, eagle_ckpt, mtp_target
     make = {"eagle": eagle_ckpt, "eagle3": eagle3_ckpt, "mtp": mtp_target}[method]
     path = make(tmp_path / method)
     target = use_decode_linears(load_model(path if method == "mtp" else llama_dir,
@@ -326,7 +326,7 @@ def test_bfloat16_models_take_bfloat16_matmul_inputs_and_stay_lossless(llama_dir
     equals output without, alone and beside sampled requests, and the logits stay close to
     float32's."""
     from specserve import LLM, SamplingParams, TokensPrompt
-    from tests.proposers.test_heads import eagle3_ckpt, eagle_ckpt
+    from tests.methods.test_heads import eagle3_ckpt, eagle_ckpt
     g = torch.Generator().manual_seed(6)
     ps = [TokensPrompt(prompt_token_ids=torch.randint(0, 96, (n,), generator=g).tolist())
           for n in (4, 11, 25, 7, 30, 16)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.engine.runner import build_metadata
+from specserve.models.metadata import build_metadata
 from specserve.kv_cache import KVCache
 from specserve.models.cpu_kernel import load_library
 from specserve.models.layers import use_decode_linears

@@ -12,8 +12,6 @@ import time
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from specserve.config import ServerConfig
 from specserve.engine.engine import LLMEngine

@@ -134,8 +134,14 @@ def test_concurrent_streams(server):
     assert not errors, errors[:3]
 
 
-def test_disconnect_aborts_and_frees_the_slot(server):
+def test_disconnect_aborts_and_frees_the_slot(server, monkeypatch):
     base, engine, app = server
+    step = engine.step
+
+    def slow_step():        # the request must still be running when the hang-up is noticed
+        time.sleep(0.02)
+        return step()
+    monkeypatch.setattr(engine, "step", slow_step)
     with httpx.Client(timeout=30) as h:
         with h.stream("POST", base + "/v1/completions", json={
                 "model": NAME, "prompt": "hello", "max_tokens": 100, "ignore_eos": True,

@@ -348,10 +348,11 @@ def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path)
 def test_eagle3_unrolled_training_drafts_as_the_chain_does(tiny_lm):
     """The training-time test: pass j at row t equals the KV-cached drafting chain started after
     position t (context ingested with target states, then j drafts fed back), for every t."""
-    from specserve.engine.runner import ragged_inputs
+    from specserve.models.metadata import ragged_inputs
     from specserve.kv_cache import KVCache
     from specserve.models.loader import load_model
-    from specserve.train.heads import build_head, unrolled_drafts
+    from specserve.methods.eagle3 import unrolled_drafts
+    from specserve.train.heads import build_head
     target = load_model(tiny_lm[0], torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
     head = build_head("eagle3", target, k=3).float()
@@ -401,7 +402,7 @@ def test_eagle3_training_from_init_can_refresh_its_draft_vocab(tiny_lm, small_co
         if t in old:
             assert torch.equal(again["lm_head.weight"][j], first["lm_head.weight"][old.index(t)])
     assert torch.equal(again["fc.weight"], first["fc.weight"])
-    with pytest.raises(ValueError, match="eagle3 heads only"):
+    with pytest.raises(ValueError, match="applies to heads with one \\(eagle3\\)"):
         cfg = TrainConfig(work_dir=str(tmp_path / "w3"), steps=1, batch_size=2, seq_len=32,
                           bf16=False, device="cpu")
         train_head("medusa", cfg, target, tmp_path / "x", k=2, gen=gen, corpus=small_corpus,

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.runner import ragged_inputs
+from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 from specserve.models.cpu_kernel import max_rows
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model
-from specserve.proposers.base import Proposal, ProposeBatch
+from specserve.models.metadata import ragged_inputs
 from specserve.sampling.sampler import greedy_ids, sample_from
 
 
@@ -29,26 +29,27 @@ class _DraftState:
     fed_drafts: list[int] | None = None   # drafts fed last step (beyond num_computed)
 
 
-class DraftModelProposer:
-    def __init__(self, config: SpeculativeConfig, engine) -> None:
-        from specserve.engine.engine import make_kv_cache
+class DraftModelProposer(ProposerBase):
+    def __init__(self, config: SpeculativeConfig, ctx: DraftContext) -> None:
         draft_cfg = load_hf_config(config.model)
-        draft_len = draft_cfg.get("max_position_embeddings", 2048)
-        limit = min(draft_len, engine.max_model_len)
-        engine.max_model_len = limit
-        self.model = load_model(config.model, engine.dtype, engine.device, max_len=limit)
-        use_decode_linears(self.model, cpu_kernel=engine.config.model_config.cpu_kernel)
-        if self.model.args.vocab_size != engine.vocab_size:
+        # the engine caps its context at the draft's (the draft must see every token)
+        self.max_model_len = limit = min(draft_cfg.get("max_position_embeddings", 2048),
+                                         ctx.max_model_len)
+        self.model = load_model(config.model, ctx.dtype, ctx.device, max_len=limit)
+        use_decode_linears(self.model, cpu_kernel=ctx.cpu_kernel)
+        if self.model.args.vocab_size != ctx.vocab_size:
             raise ValueError(
                 f"draft model {config.model} has vocab_size {self.model.args.vocab_size} but the "
-                f"target has {engine.vocab_size}; a draft must share the target's vocabulary")
-        self.cache = make_kv_cache(self.model, engine.cache.num_slots, limit)
+                f"target has {ctx.vocab_size}; a draft must share the target's vocabulary")
+        a = self.model.args
+        # the model's own dtype: bfloat16 weights that the CPU kernel runs keep float32 KV
+        self.cache = ctx.new_kv_cache(a.num_hidden_layers, a.num_key_value_heads, limit,
+                                      a.head_dim, next(self.model.parameters()).dtype)
         self.caches = [self.cache]
-        self.device = engine.device
+        self.device = ctx.device
         self.sample = config.draft_sample_method == "probabilistic"
         self.threshold = config.draft_confidence_threshold
         self.state: dict[str, _DraftState] = {}
-        self.aux_hidden_layers = ()
         # greedy chains in one compiled call where the model has one (on the CPU kernel)
         self.chain = self.model.kernel_chain(self.cache.layers) if not self.sample else None
 
@@ -133,3 +134,7 @@ class DraftModelProposer:
 
     def finish(self, request) -> None:
         self.state.pop(request.request_id, None)
+
+
+SPEC = MethodSpec(name="draft_model", build=DraftModelProposer, needs_model=True,
+                  steps_drafts=True, summary="a small LM with the target's vocabulary")

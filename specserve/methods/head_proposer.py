@@ -1,4 +1,5 @@
-"""EAGLE, EAGLE-3 and MTP: a one-layer head with its own KV cache, driven by target features.
+"""The proposer of EAGLE, EAGLE-3 and MTP: a one-layer head with its own KV cache, driven by
+target features.
 
 Head position p holds the pair (state at p, token at p+1). Every step the head ingests, for
 every request the target just ran (prompt chunks included), the pairs of the positions the
@@ -21,34 +22,31 @@ import itertools
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.engine.runner import build_tree_metadata, ragged_inputs
-from specserve.kv_cache import KVCache
+from specserve.methods.base import DraftContext, Proposal, ProposeBatch, ProposerBase
+from specserve.methods.checkpoints import ready
 from specserve.models.cpu_kernel import max_rows
-from specserve.models.head_loader import load_head
+from specserve.models.heads import StatefulHead
 from specserve.models.layers import Rotary
-from specserve.proposers.base import Proposal, ProposeBatch
+from specserve.models.metadata import build_tree_metadata, ragged_inputs
 from specserve.token_tree import ancestors, node_depths
 
 
-class HeadProposer:
+class HeadProposer(ProposerBase):
     # Positions of target features a request may hold back (256 x 3 x 384 float32 = 1.2 MB for
     # the bundled EAGLE-3, a tenth of its target's KV slot). Features of a request that ends
     # before drafting resumes are never ingested, so a larger bound saves more work under load.
     MAX_PENDING = 256
 
-    def __init__(self, config: SpeculativeConfig, engine) -> None:
-        self.method = config.method
-        self.head = load_head(config.method, config.model or engine.config.model_config.model,
-                              engine.model, engine.device, engine.dtype,
-                              engine.config.model_config.cpu_kernel)
+    def __init__(self, config: SpeculativeConfig, ctx: DraftContext, head: StatefulHead) -> None:
+        self.head = ready(head, ctx.device, ctx.dtype, ctx.cpu_kernel)
         a = self.head.args
-        max_len = engine.max_model_len + config.num_speculative_tokens + 1
+        max_len = ctx.max_model_len + config.num_speculative_tokens + 1
         self.head.rotary = Rotary(a.head_dim, max_len, a.rope_theta, a.rope_scaling).to(
-            engine.device)
-        self.cache = KVCache(1, engine.cache.num_slots, a.num_key_value_heads, max_len,
-                             a.head_dim, next(self.head.parameters()).dtype, engine.device)
+            ctx.device)
+        self.cache = ctx.new_kv_cache(1, a.num_key_value_heads, max_len, a.head_dim,
+                                      next(self.head.parameters()).dtype)
         self.caches = [self.cache]
-        self.device = engine.device
+        self.device = ctx.device
         self.threshold = config.draft_confidence_threshold
         self.tree = config.token_tree()             # None: draft a chain
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))

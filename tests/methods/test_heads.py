@@ -187,7 +187,7 @@ def test_heads_catch_up_after_speculation_was_off(heads, llama_dir, monkeypatch)
     """While too many requests run, K = 0 and the head holds back the target features; when
     speculation resumes it ingests them in one pass (or every MAX_PENDING positions). The
     head's cache must end up as if it had ingested every step: same drafts, same acceptance."""
-    from specserve.proposers.eagle import HeadProposer
+    from specserve.methods.head_proposer import HeadProposer
     ps, params, ref = greedy_of_several_lengths(llama_dir, seed=12, first=8, step=6)
     drafts = {}
     for max_pending in (1, 4, 256):         # 1: ingest every step, as without deferral
@@ -233,7 +233,7 @@ def test_head_acceptance_bookkeeping(tmp_path, llama_dir):
 def test_loaded_weights_match_the_files(heads, llama_dir):
     from safetensors.torch import load_file
 
-    from specserve.models.head_loader import load_head
+    from specserve.methods import load_head
     from specserve.models.loader import load_model
     target = load_model(llama_dir, torch.float32, torch.device("cpu"))
     m = load_head("medusa", str(heads["medusa_fd"][1]), target, torch.device("cpu"), torch.float32)

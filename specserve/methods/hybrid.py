@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from specserve.proposers.base import Proposal, ProposeBatch, Proposer
-from specserve.proposers.ngram import find_ngram_draft
+from specserve.methods.base import Proposal, ProposeBatch, Proposer, ProposerBase
+from specserve.methods.ngram import find_ngram_draft
 
 
-class HybridProposer:
+class HybridProposer(ProposerBase):
     # Longest match looked for: among matches of at least this many tokens, the earliest is
     # taken; growing them further costs a numpy pass per token and rarely changes the draft.
     MAX_MATCH = 16
@@ -25,7 +25,8 @@ class HybridProposer:
         self.drafter = drafter
         self.match = match
         self.aux_hidden_layers = drafter.aux_hidden_layers
-        self.caches = getattr(drafter, "caches", [])
+        self.caches = drafter.caches
+        self.max_model_len = drafter.max_model_len
         self.num_lookup_drafts = 0       # requests drafted by lookup (for benchmarks and tests)
 
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
@@ -48,3 +49,9 @@ class HybridProposer:
 
     def finish(self, request) -> None:
         self.drafter.finish(request)
+
+    def reset(self) -> None:
+        self.drafter.reset()
+
+    def stats(self) -> dict[str, int]:
+        return self.drafter.stats() | {"num_lookup_drafts": self.num_lookup_drafts}

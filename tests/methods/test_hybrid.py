@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams, TokensPrompt
-from tests.proposers.test_heads import eagle3_ckpt
+from tests.methods.test_heads import eagle3_ckpt
 from tests.test_spec_decode import repetitive_prompts
 
 
@@ -69,6 +69,6 @@ def test_hybrid_is_lossless_and_leaves_the_drafter_in_step(method, llama_dir, dr
     ({"method": "draft_model", "model": "d", "hybrid_prompt_lookup": 0}, "int >= 1"),
     ({"method": "draft_model", "model": "d", "hybrid_prompt_lookup": True}, "int >= 1")])
 def test_hybrid_config_errors(spec, match):
-    from specserve.config import SpeculativeConfig
+    from specserve.methods import resolve_speculative_config
     with pytest.raises(ValueError, match=match):
-        SpeculativeConfig.from_dict(spec | {"num_speculative_tokens": 2})
+        resolve_speculative_config(spec | {"num_speculative_tokens": 2})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.proposers.base import ProposeBatch
+from specserve.methods.base import ProposeBatch
 
 
 def last_hidden_rows(batch: ProposeBatch) -> torch.Tensor:

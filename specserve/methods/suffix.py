@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specserve.config import SpeculativeConfig
-from specserve.proposers.base import Proposal, ProposeBatch
+from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 
 
 @dataclass(slots=True, eq=False)
@@ -166,8 +166,8 @@ class _RequestState:
     response: list[int]           # output tokens (what the global tree keeps)
 
 
-class SuffixProposer:
-    def __init__(self, config: SpeculativeConfig, engine=None) -> None:
+class SuffixProposer(ProposerBase):
+    def __init__(self, config: SpeculativeConfig, ctx: DraftContext | None = None) -> None:
         self.depth = config.suffix_decoding_max_tree_depth
         self.max_cached = config.suffix_decoding_max_cached_requests
         self.spec_factor = config.suffix_decoding_max_spec_factor
@@ -189,8 +189,6 @@ class SuffixProposer:
         st.num_seen = req.num_tokens
         return st
 
-    aux_hidden_layers = ()
-
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
         out = []
         for req, k in zip(batch.requests, batch.max_num_tokens):
@@ -206,7 +204,7 @@ class SuffixProposer:
             out.append(Proposal(draft))
         return out
 
-    def forget_responses(self) -> None:
+    def reset(self) -> None:
         """Empty the global tree (a benchmark that repeats its prompts calls this per round, so
         that no round drafts from the previous round's answers to the same prompts)."""
         self.global_tree = SuffixTree(self.depth)
@@ -224,3 +222,7 @@ class SuffixProposer:
         while len(self.cached) > self.max_cached:
             _, old = self.cached.popitem(last=False)
             self.global_tree.add(old, delta=-1)
+
+
+SPEC = MethodSpec(name="suffix", build=SuffixProposer,
+                  summary="suffix decoding: suffix trees over the request and past responses")

@@ -3,8 +3,8 @@
 from types import SimpleNamespace
 
 from specserve.config import SpeculativeConfig
-from specserve.proposers.base import ProposeBatch
-from specserve.proposers.suffix import SuffixProposer, SuffixTree
+from specserve.methods.base import ProposeBatch
+from specserve.methods.suffix import SuffixProposer, SuffixTree
 
 
 def test_counts_of_substrings():
@@ -71,14 +71,14 @@ def test_global_tree_drafts_from_past_responses_and_evicts_fifo():
     assert p.propose(_batch([_req("d", [60, 10, 11])]))[0].token_ids == []
 
 
-def test_forget_responses_empties_the_global_tree():
+def test_reset_empties_the_global_tree():
     p = SuffixProposer(SpeculativeConfig(method="suffix", num_speculative_tokens=4,
                                          suffix_decoding_max_spec_factor=2.0))
     first = _req("a", [50, 51], [10, 11, 12, 13, 14])
     p.propose(_batch([first]))
     p.finish(first)
     assert p.propose(_batch([_req("b", [60, 10, 11])]))[0].token_ids == [12, 13, 14]
-    p.forget_responses()
+    p.reset()
     assert p.propose(_batch([_req("c", [60, 10, 11])]))[0].token_ids == []
     again = _req("d", [50, 51], [10, 11, 12, 13, 14])     # and it learns afresh
     p.propose(_batch([again]))
@@ -128,7 +128,7 @@ def _brute_force(tokens, depth, max_tokens, factor, min_prob):
 def test_sequence_search_matches_the_definition():
     import numpy as np
 
-    from specserve.proposers.suffix import speculate_in_sequence
+    from specserve.methods.suffix import speculate_in_sequence
     rng = np.random.default_rng(0)
     for trial in range(300):
         n = int(rng.integers(1, 60))

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specserve.proposers.ngram import find_ngram_draft
+from specserve.methods.ngram import find_ngram_draft
 
 
 @pytest.mark.parametrize("tokens, lo, hi, k, draft", [

@@ -1,0 +1,117 @@
+"""The drafting methods: REGISTRY is the one list of them. Everything else (config checks, the
+engine, training, benchmarks, the CLI) asks it instead of naming methods."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specserve.config import SpeculativeConfig
+from specserve.methods import (draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram,
+                               suffix)
+from specserve.methods.base import (DraftContext, MethodSpec, Proposal, ProposeBatch, Proposer,
+                                    RunnerOutput)
+from specserve.methods.checkpoints import ready
+from specserve.methods.hybrid import HybridProposer
+
+__all__ = ["REGISTRY", "DraftContext", "MethodSpec", "Proposal", "ProposeBatch", "Proposer",
+           "RunnerOutput", "build_proposer", "detect_method", "get", "head_methods", "load_head", "resolve",
+           "resolve_speculative_config"]
+
+# Detection checks methods in this order (eagle3 before eagle: "eagle3" contains "eagle").
+REGISTRY: dict[str, MethodSpec] = {s.name: s for s in (
+    ngram.SPEC, suffix.SPEC, draft_model.SPEC, eagle3.SPEC, eagle.SPEC, medusa.SPEC,
+    mlp_speculator.SPEC, mtp.SPEC)}
+
+
+def get(name: str) -> MethodSpec:
+    for spec in REGISTRY.values():
+        if name == spec.name or name in spec.aliases:
+            return spec
+    raise ValueError(f"speculative_config method {name!r} is not known; use one of "
+                     f"{', '.join(REGISTRY)}")
+
+
+def head_methods() -> tuple[str, ...]:
+    """Methods with a trainable head on the target (`specserve train <method>`)."""
+    return tuple(n for n, s in REGISTRY.items() if s.new_head is not None)
+
+
+def detect_method(model: str | None) -> str:
+    """The method of a checkpoint from its config.json (speculators_model_type, model_type,
+    architectures), then from its directory name; a plain LM is a draft model."""
+    if model is None:
+        raise ValueError("speculative_config needs 'method' (one of "
+                         f"{', '.join(REGISTRY)}) or 'model'")
+    hints = [Path(model).name.lower()]
+    cfg_path = Path(model) / "config.json"
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
+        hints = [str(cfg.get("speculators_model_type", "")), str(cfg.get("model_type", "")),
+                 *map(str, cfg.get("architectures") or [])] + hints
+    for hint in hints:
+        for spec in REGISTRY.values():
+            if spec.reads_hidden_states and any(k in hint.lower() for k in spec.detect):
+                return spec.name
+    return draft_model.SPEC.name
+
+
+def resolve(config: SpeculativeConfig) -> SpeculativeConfig:
+    """Settle and check what depends on the method (in place; calling it again is a no-op):
+    the method detected when omitted, its required model, keys that belong to other methods."""
+    if config.method is None:
+        config.method = detect_method(config.model)
+    spec = get(config.method)
+    config.method = spec.name
+    if spec.needs_model and not config.model:
+        raise ValueError(f"speculative_config method {spec.name!r} needs 'model': the path of "
+                         "the draft model or head directory")
+    defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
+    for other in REGISTRY.values():
+        if other is spec:
+            continue
+        for key in other.keys:
+            if getattr(config, key) != defaults[key]:
+                raise ValueError(f"{key} applies to method {other.name!r} only")
+    if spec.configure is not None:
+        spec.configure(config)
+    _capability(config.speculative_token_tree is not None, spec, "drafts_trees",
+                "speculative_token_tree")
+    _capability(bool(config.draft_confidence_threshold), spec, "steps_drafts",
+                "draft_confidence_threshold")
+    if config.hybrid_prompt_lookup is not None and not (spec.needs_model or spec.reads_hidden_states):
+        raise ValueError(f"hybrid_prompt_lookup adds prompt lookup to a model-based drafter, "
+                         f"not to {spec.name!r}; for prompt lookup alone use method 'ngram'")
+    return config
+
+
+def _capability(used: bool, spec: MethodSpec, flag: str, key: str) -> None:
+    if used and not getattr(spec, flag):
+        able = ", ".join(n for n, s in REGISTRY.items() if getattr(s, flag))
+        raise ValueError(f"{key} applies to {able}, not {spec.name!r}")
+
+
+def resolve_speculative_config(data: dict | SpeculativeConfig) -> SpeculativeConfig:
+    """`speculative_config` as a user gives it -> a checked SpeculativeConfig."""
+    return resolve(SpeculativeConfig.from_dict(data))
+
+
+def load_head(method: str, path: str, target: nn.Module, device: torch.device,
+              dtype: torch.dtype, cpu_kernel: bool = True) -> nn.Module:
+    """A method's head read from its checkpoint, ready for inference on `device` in `dtype`."""
+    return ready(get(method).read(path, target), device, dtype, cpu_kernel)
+
+
+def build_proposer(config: SpeculativeConfig, ctx: DraftContext) -> Proposer:
+    spec = get(resolve(config).method)
+    drafter = spec.build(config, ctx)
+    if config.hybrid_prompt_lookup is None:
+        return drafter
+    return HybridProposer(drafter, config.hybrid_prompt_lookup)

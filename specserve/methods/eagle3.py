@@ -1,0 +1,179 @@
+"""EAGLE-3 (Li et al. 2025, speculators format; the yuhuili layout loads too): fc fuses three
+target layers' hidden states, the decoder layer attends over [norm(embedding); norm(state)],
+and an lm_head over a reduced draft vocabulary maps to target ids through `d2t`. Trained
+unrolled for K draft steps (EAGLE-3's training-time test)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from specserve.config import SpeculativeConfig
+from specserve.methods.base import DraftContext, MethodSpec
+from specserve.methods.checkpoints import (assign_weights, check_target, embedding_of, head_args,
+                                           layer_args, layer_tensors, write_head)
+from specserve.methods.head_proposer import HeadProposer
+from specserve.models.cpu_kernel import HeadChain, kernel_step
+from specserve.models.heads import StatefulHead
+from specserve.models.layers import MLP, Attention, RMSNorm
+from specserve.models.llama import LlamaArgs
+from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_dict
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """Attention over [input_layernorm(embedding); hidden_norm(hidden)] (2H wide), residual on
+    the hidden state, then the usual MLP."""
+
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        H = a.hidden_size
+        self.input_layernorm = RMSNorm(H, a.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, a.rms_norm_eps)
+        self.self_attn = Attention(H, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                                   bias=False, qk_norm=False, eps=a.rms_norm_eps, in_dim=2 * H)
+        self.post_attention_layernorm = RMSNorm(H, a.rms_norm_eps)
+        self.mlp = MLP(H, a.intermediate_size)
+        self.cpu_layer = None           # see DecoderLayer
+
+    def forward(self, emb, hidden, cos_sin, md, cache):
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        if self.cpu_layer is not None and kernel_step(md, x, self.cpu_layer.lib):
+            return self.cpu_layer(hidden, cos_sin, md, cache, attn_in=x)
+        x = hidden + self.self_attn(x, cos_sin, md, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle3Head(StatefulHead):
+    """EAGLE-3: fc fuses the target's aux hidden states (3H -> H) for the first draft step; the
+    head's own pre-norm output feeds later steps; its lm_head covers a draft vocabulary mapped to
+    target ids by `d2t` (target id = draft id + d2t[draft id])."""
+
+    def __init__(self, args: LlamaArgs, num_aux: int, target_hidden: int, draft_vocab: int,
+                 target_vocab: int, embed: nn.Embedding) -> None:
+        H = args.hidden_size
+        super().__init__(args, embed, nn.Linear(H, draft_vocab, bias=False))
+        self.fc = nn.Linear(num_aux * target_hidden, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(args)])
+        self.norm = RMSNorm(H, args.rms_norm_eps)
+        self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
+        self.target_vocab = target_vocab
+
+    def fuse_target(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux_hidden)
+
+    def forward(self, token_ids, h, positions, md, cache):
+        emb = self.embed_tokens(token_ids)
+        return self.layers[0](emb, h, self.rotary.tables(positions, emb.dtype), md, cache)
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(out))                                  # [T, draft_vocab]
+
+    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
+        layer = self.layers[0]
+        return self._chain(layer, layer.input_layernorm, layer.hidden_norm, None, self.norm,
+                           self.d2t, cache)
+
+    def draft_to_target(self) -> torch.Tensor:
+        """The target id of each draft-vocabulary id: [draft_vocab]."""
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids + self.d2t[ids]
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        draft = self.draft_logits(out)                                       # [T, draft_vocab]
+        if draft.shape[-1] == self.target_vocab and not self.d2t.any():
+            return draft
+        full = draft.new_full((draft.shape[0], self.target_vocab), float("-inf"))
+        return full.index_copy(1, self.draft_to_target(), draft)
+
+
+def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
+             token_counts: np.ndarray | None = None) -> Eagle3Head:
+    """A fresh head; with `draft_vocab` < the target's vocabulary it keeps the `draft_vocab`
+    target ids most frequent in `token_counts` [V] (as EAGLE-3 does)."""
+    a = target.args
+    n = min(draft_vocab or a.vocab_size, a.vocab_size)
+    head = Eagle3Head(layer_args(a), 3, a.hidden_size, n, a.vocab_size, target.embed_tokens)
+    if n < a.vocab_size:
+        if token_counts is None:
+            raise ValueError("a reduced eagle3 draft vocabulary needs token counts")
+        ids = torch.from_numpy(np.sort(np.argsort(-token_counts, kind="stable")[:n]))
+        head.d2t.copy_(ids - torch.arange(n))
+    L = a.num_hidden_layers
+    head.aux_layers = (min(2, L - 1), L // 2, max(0, L - 3))
+    return head
+
+
+def read(path: str | Path, target: nn.Module) -> Eagle3Head:
+    d = Path(path)
+    cfg = load_hf_config(d)
+    src = str(d / "config.json")
+    layer_cfg = cfg.get("transformer_layer_config", cfg)
+    args = head_args(layer_cfg, target.args, src)
+    check_target(src, "vocab_size", args.vocab_size, target.args.vocab_size)
+    state = {re.sub(r"^midlayer\.", "layers.0.", k.removeprefix("model.")): v
+             for k, v in read_state_dict(d).items()}
+    state.pop("t2d", None)
+    draft_vocab = cfg.get("draft_vocab_size") or args.vocab_size
+    target_hidden = cfg.get("target_hidden_size") or target.args.hidden_size
+    num_aux = state["fc.weight"].shape[1] // target_hidden if "fc.weight" in state else 3
+    emb = embedding_of(state, target, args.vocab_size, args.hidden_size)
+    head = Eagle3Head(args, num_aux, target_hidden, draft_vocab, target.args.vocab_size, emb)
+    assign_weights(head, fuse_hf_names(state, 1), str(d), optional=("embed_tokens.", "rotary."))
+    L = target.args.num_hidden_layers
+    head.aux_layers = tuple(cfg.get("eagle_aux_hidden_state_layer_ids") or (2, L // 2, L - 3))
+    return head
+
+
+def write(head: Eagle3Head, out: Path, target_dir: Path, dtype: torch.dtype) -> None:
+    a = head.args
+    cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+           "draft_vocab_size": head.lm_head.out_features,
+           "target_hidden_size": head.fc.in_features // 3,
+           "eagle_aux_hidden_state_layer_ids": list(head.aux_layers),
+           "transformer_layer_config": a.to_hf_config() | {"num_hidden_layers": 1}}
+    tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight,
+               "lm_head.weight": head.lm_head.weight, "d2t": head.d2t}
+    tensors |= layer_tensors(head.layers[0], a, "layers.0.")
+    write_head(out, cfg, tensors, dtype)
+
+
+def unrolled_drafts(head: nn.Module, x: torch.Tensor, aux: torch.Tensor, pos: torch.Tensor,
+                    k: int) -> list[torch.Tensor]:
+    """An EAGLE-3 head unrolled for k draft steps over every position of x [B, S] at once (its
+    training-time test): pass 0 reads the pairs (target aux state at t, token t+1); pass j feeds
+    the head's own output of pass j-1 with token t+j+1, attending as the drafting chain would
+    (`Attention._unrolled`). Returns k outputs; row t of output j [B, S-1-j, H] drafts token
+    t+j+2, as the chain started after position t would."""
+    earlier: list = []                       # keys and values of the passes so far
+    tok = x[:, 1:]
+    outs = [head(tok, head.fuse_target(aux[:, :-1]), pos[:, :-1], None, earlier)]
+    for j in range(1, k):
+        outs.append(head(tok[:, j:], outs[-1][:, :-1], pos[:, j:-1], None, earlier))
+    return outs
+
+
+def loss(head: Eagle3Head, x, pos, h, aux, logp, k: int, distill):
+    """KL over the draft vocabulary (logp is the target's over it) at each of the k unrolled
+    draft steps, averaged."""
+    outs = unrolled_drafts(head, x, aux, pos, k)
+    kls = [distill(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]
+    total = sum(kls) / len(kls)
+    values = {"kl" if j == 0 else f"kl_step{j + 1}": kl.item() for j, kl in enumerate(kls)}
+    return total, values | {"loss": total.item()}
+
+
+def build(config: SpeculativeConfig, ctx: DraftContext) -> HeadProposer:
+    return HeadProposer(config, ctx, read(config.model, ctx.target))
+
+
+SPEC = MethodSpec(
+    name="eagle3", build=build,
+    summary="EAGLE-3 head on three fused target layers, with a reduced draft vocabulary",
+    detect=("eagle3", "eagle-3"), needs_model=True, reads_hidden_states=True,
+    drafts_trees=True, steps_drafts=True, new_head=new_head, read=read, write=write, loss=loss)

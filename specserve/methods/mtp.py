@@ -1,0 +1,129 @@
+"""MTP (DeepSeek-V3 style multi-token prediction): the target's own extra layer,
+block(eh_proj([enorm(embed(x_t+1)); hnorm(h_t)])), stored in the target checkpoint as
+`model.layers.{L}.*` (`num_nextn_predict_layers` in its config.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specserve.config import SpeculativeConfig
+from specserve.methods.base import DraftContext, MethodSpec
+from specserve.methods.checkpoints import (add_shard, assign_weights, embedding_of, layer_args,
+                                           layer_tensors, to_dtype)
+from specserve.methods.head_proposer import HeadProposer
+from specserve.models.cpu_kernel import HeadChain
+from specserve.models.heads import StatefulHead
+from specserve.models.layers import RMSNorm
+from specserve.models.llama import DecoderLayer, LlamaArgs
+from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_dict
+
+
+class MTPLayer(StatefulHead):
+    """DeepSeek-style multi-token prediction layer stored in the target checkpoint:
+    out = block(eh_proj([enorm(embed(token)); hnorm(h)])); logits = lm_head(shared_head.norm(out))."""
+
+    def __init__(self, args: LlamaArgs, embed: nn.Embedding, lm_head: nn.Linear) -> None:
+        super().__init__(args, embed, lm_head)
+        H = args.hidden_size
+        self.enorm = RMSNorm(H, args.rms_norm_eps)
+        self.hnorm = RMSNorm(H, args.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.block = DecoderLayer(args)
+        self.shared_head_norm = RMSNorm(H, args.rms_norm_eps)
+
+    def forward(self, token_ids, h, positions, md, cache):
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(token_ids)), self.hnorm(h)], -1))
+        return self.block(x, self.rotary.tables(positions, x.dtype), md, cache)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.shared_head_norm(out))
+
+    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
+        return self._chain(self.block, self.enorm, self.hnorm, self.eh_proj,
+                           self.shared_head_norm, None, cache)
+
+
+def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
+             token_counts=None) -> MTPLayer:
+    return MTPLayer(layer_args(target.args), target.embed_tokens, target.lm_head)
+
+
+def read(path: str | Path, target: nn.Module) -> MTPLayer:
+    d = Path(path)
+    cfg = load_hf_config(d)
+    n = cfg.get("num_nextn_predict_layers", 0)
+    if not n:
+        raise ValueError(f"{d / 'config.json'}: num_nextn_predict_layers is 0 or missing; this "
+                         "model has no MTP layer")
+    L = target.args.num_hidden_layers
+    prefix = f"model.layers.{L}."
+    raw = {k[len(prefix):]: v for k, v in read_state_dict(d).items() if k.startswith(prefix)}
+    state = {}
+    for k, v in raw.items():
+        if k.startswith(("enorm.", "hnorm.", "eh_proj.")):
+            state[k] = v
+        elif k == "shared_head.norm.weight":
+            state["shared_head_norm.weight"] = v
+        elif k == "shared_head.head.weight":
+            state["lm_head.weight"] = v
+        elif k == "embed_tokens.weight":
+            state[k] = v
+        else:
+            state["layers.0." + k] = v
+    state = {("block." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+             for k, v in fuse_hf_names(state, 1).items()}
+    emb = embedding_of(state, target, target.args.vocab_size, target.args.hidden_size)
+    lm_head = target.lm_head
+    if "lm_head.weight" in state:
+        lm_head = nn.Linear(target.args.hidden_size, target.args.vocab_size, bias=False)
+        lm_head.weight.data.copy_(state.pop("lm_head.weight"))
+    layer = MTPLayer(target.args, emb, lm_head)
+    assign_weights(layer, state, str(d), optional=("embed_tokens.", "lm_head.", "rotary."))
+    return layer
+
+
+def write(head: MTPLayer, out: Path, target_dir: Path, dtype: torch.dtype) -> None:
+    """The target directory plus its MTP layer as one more shard. The target's weight shards
+    are relative symlinks, not copies: the MTP layer is small, the target is not (`cp -rL`
+    makes a self-contained copy)."""
+    out.mkdir(parents=True, exist_ok=True)
+    a = head.args
+    for f in target_dir.iterdir():
+        if f.name == "model-mtp.safetensors" or not f.is_file():
+            continue
+        dst = out / f.name
+        dst.unlink(missing_ok=True)
+        if f.suffix == ".safetensors":
+            dst.symlink_to(os.path.relpath(f.resolve(), out.resolve()))
+        elif f.suffix == ".json":
+            shutil.copy(f, dst)
+    cfg = json.loads((target_dir / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    p = f"model.layers.{cfg['num_hidden_layers']}."     # MTP layers follow the decoder
+    tensors = {p + "enorm.weight": head.enorm.weight, p + "hnorm.weight": head.hnorm.weight,
+               p + "eh_proj.weight": head.eh_proj.weight,
+               p + "shared_head.norm.weight": head.shared_head_norm.weight}
+    tensors |= layer_tensors(head.block, a, p)
+    add_shard(out, to_dtype(tensors, dtype))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def loss(head: MTPLayer, x, pos, h, aux, logp, k: int, distill):
+    out = head(x[:, 1:], head.fuse_target(h[:, :-1]), pos[:, :-1], None, None)  # [B, S-1, H]
+    kl = distill(head.logits(out), logp[:, 1:])
+    return kl, {"kl": kl.item(), "loss": kl.item()}
+
+
+def build(config: SpeculativeConfig, ctx: DraftContext) -> HeadProposer:
+    return HeadProposer(config, ctx, read(config.model or ctx.target_path, ctx.target))
+
+
+SPEC = MethodSpec(
+    name="mtp", build=build, summary="the target's own multi-token-prediction layer",
+    detect=("mtp",), reads_hidden_states=True, drafts_trees=True, steps_drafts=True,
+    model_is_target=True, new_head=new_head, read=read, write=write, loss=loss)
