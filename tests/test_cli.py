@@ -38,7 +38,7 @@ def test_train_lm_and_draft_commands(tmp_path, capsys, monkeypatch):
     """The train commands wire flags to the trainer (a tiny run on a few corpus files)."""
     import json
 
-    from specserve.train import corpus as corpus_mod
+    from specserve.data import corpus as corpus_mod
     small = corpus_mod.Corpus.stdlib()
     small = corpus_mod.Corpus(small.train_files[:6], small.val_files[:1])
     monkeypatch.setattr(corpus_mod.Corpus, "stdlib", classmethod(lambda cls, **kw: small))

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from specserve import methods
-from specserve.train.heads import head_dir
+from specserve.data.zoo import head_dir
 
 
 def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict]:

@@ -21,7 +21,10 @@ from pathlib import Path
 import torch
 
 from specserve.bench.methods import add_common_args, configs
-from specserve.bench.prompts import PROMPT_SETS
+from specserve.data.prompts import PROMPT_SETS
+from specserve.inputs import TokensPrompt
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
 from specserve.token_tree import TokenTree
 
 
@@ -60,7 +63,6 @@ def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
 
 def greedy_seconds(llm, n: int) -> float:
     """Wall time of one batch-1 greedy request of `n` new tokens after a 64-token prompt."""
-    from specserve import SamplingParams, TokensPrompt
     t = time.perf_counter()
     llm.generate(TokensPrompt(prompt_token_ids=list(range(10, 74))),
                  SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
@@ -70,7 +72,6 @@ def greedy_seconds(llm, n: int) -> float:
 def prompt_ms(llm, n: int, repeats: int = 5) -> float:
     """Batch-1 time to the first token of an `n`-token prompt (median of repeats, in ms): the
     prompt's forward (its chunks, a drafter's pass over it) and one sampled token."""
-    from specserve import SamplingParams, TokensPrompt
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     prompt = TokensPrompt(prompt_token_ids=[10 + i % 64 for i in range(n)])
     times = []
@@ -118,7 +119,6 @@ def weight_bytes(model: torch.nn.Module, streamed: bool = False) -> int:
 class SpecserveRunner:
     def __init__(self, name: str, target: str, spec: dict | None, dtype: str,
                  cpu_kernel: bool = True) -> None:
-        from specserve import LLM
         self.name = name
         self.llm = LLM(target, speculative_config=spec, dtype=dtype, device="cpu", freeze_gc=True,
                        max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel)
@@ -128,7 +128,6 @@ class SpecserveRunner:
     def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0
             ) -> list[list[int]]:
         """Output token ids of each prompt (seeded per prompt when sampling)."""
-        from specserve import SamplingParams
         sp = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
                              ignore_eos=True) for i in range(len(prompts))]
         outs = self.llm.generate(prompts, sp, use_tqdm=False)

@@ -28,7 +28,9 @@ import httpx
 import torch
 
 from specserve.bench.methods import add_common_args, configs
-from specserve.bench.prompts import PROMPT_SETS
+from specserve.data.prompts import PROMPT_SETS
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -123,7 +125,6 @@ def _offline_tpot_ms(model: str, spec: dict | None, prompts: list[str], max_toke
                      dtype: str) -> float:
     """The offline engine's time per output token after the first (the server's TPOT), median
     over `prompts` run one at a time."""
-    from specserve import LLM, SamplingParams
     engine = LLM(model, speculative_config=spec, device="cpu", dtype=dtype, freeze_gc=True).engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     tpots = []

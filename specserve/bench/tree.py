@@ -18,9 +18,11 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench.methods import spec_config
-from specserve.bench.prompts import PROMPT_SETS
 from specserve import methods
+from specserve.bench.methods import spec_config
+from specserve.data.prompts import PROMPT_SETS
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
 from specserve.token_tree import TokenTree
 
 
@@ -33,7 +35,6 @@ def measurement_tree(max_depth: int, max_rank_sum: int) -> TokenTree:
 def node_rates(model: str, spec: dict, prompts: list[str], max_tokens: int, temperature: float,
                dtype: str) -> list[float]:
     """Per node of spec's tree: accepted steps / verify steps."""
-    from specserve import LLM, SamplingParams
     llm = LLM(model, speculative_config=spec, dtype=dtype, device="cpu", freeze_gc=True)
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
                              ignore_eos=True) for i in range(len(prompts))]

@@ -16,11 +16,11 @@ from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.kv_cache import KVCache
+from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
 from specserve.metrics import SpecDecodingStats
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model, read_json
 from specserve.outputs import CompletionOutput, RequestOutput
-from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.sampling.sampler import token_logprobs
 from specserve.sampling_params import SamplingParams

@@ -11,10 +11,15 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.methods import (draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram,
-                               suffix)
-from specserve.methods.base import (DraftContext, MethodSpec, Proposal, ProposeBatch, Proposer,
-                                    RunnerOutput)
+from specserve.methods import draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix
+from specserve.methods.base import (
+    DraftContext,
+    MethodSpec,
+    Proposal,
+    ProposeBatch,
+    Proposer,
+    RunnerOutput,
+)
 from specserve.methods.checkpoints import ready
 from specserve.methods.hybrid import HybridProposer
 

@@ -14,8 +14,15 @@ from torch import nn
 
 from specserve.config import SpeculativeConfig
 from specserve.methods.base import DraftContext, MethodSpec
-from specserve.methods.checkpoints import (assign_weights, check_target, embedding_of, head_args,
-                                           layer_args, layer_tensors, write_head)
+from specserve.methods.checkpoints import (
+    assign_weights,
+    check_target,
+    embedding_of,
+    head_args,
+    layer_args,
+    layer_tensors,
+    write_head,
+)
 from specserve.methods.head_proposer import HeadProposer
 from specserve.models.cpu_kernel import HeadChain, kernel_step
 from specserve.models.heads import StatefulHead

@@ -14,8 +14,14 @@ from torch import nn
 
 from specserve.config import SpeculativeConfig
 from specserve.methods.base import DraftContext, MethodSpec
-from specserve.methods.checkpoints import (add_shard, assign_weights, embedding_of, layer_args,
-                                           layer_tensors, to_dtype)
+from specserve.methods.checkpoints import (
+    add_shard,
+    assign_weights,
+    embedding_of,
+    layer_args,
+    layer_tensors,
+    to_dtype,
+)
 from specserve.methods.head_proposer import HeadProposer
 from specserve.models.cpu_kernel import HeadChain
 from specserve.models.heads import StatefulHead

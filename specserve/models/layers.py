@@ -14,8 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.cpu_kernel import (CpuLayer, linear_rows, load_library, max_rows,
-                                         pack_weight, rms_norm_rows)
+from specserve.models.cpu_kernel import (
+    CpuLayer,
+    linear_rows,
+    load_library,
+    max_rows,
+    pack_weight,
+    rms_norm_rows,
+)
 
 
 @dataclass(slots=True)

@@ -27,8 +27,14 @@ from specserve.sampling_params import SamplingParams
 from specserve.server import responses
 from specserve.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from specserve.server.guard import APIError, Gate, read_json
-from specserve.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
-                                       error_body, new_id, now)
+from specserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    error_body,
+    new_id,
+    now,
+)
 from specserve.server.streaming import DeltaTracker, merge, sse
 
 logger = logging.getLogger("specserve.server")

@@ -14,9 +14,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
 from pathlib import Path
 
-from specserve.bench.prompts import completion_prompts
+from specserve.data.prompts import completion_prompts
+from specserve.inputs import TokensPrompt
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
 from specserve.train.lm import measure_bpb
 
 
@@ -26,7 +30,6 @@ def distinct_4gram_share(tokens: list[int]) -> float:
 
 
 def greedy_completions(model_dir: str, prompts: list[str], max_tokens: int = 128):
-    from specserve import LLM, SamplingParams
     llm = LLM(model_dir, device="cpu")
     return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                 ignore_eos=True, logprobs=0), use_tqdm=False)
@@ -41,12 +44,16 @@ def greedy_top1_probs(outs) -> list[float]:
 
 def step_ms(model_dir: str, tokens: int = 128, repeats: int = 3) -> float:
     """Median batch-1 greedy decode time per token (prompt included)."""
-    from specserve import LLM
-    from specserve.bench.offline import greedy_seconds
     llm = LLM(model_dir, device="cpu")
-    greedy_seconds(llm, 8)
-    return statistics.median(greedy_seconds(llm, tokens) / tokens * 1e3
-                             for _ in range(repeats))
+    prompt = TokensPrompt(prompt_token_ids=list(range(10, 74)))
+
+    def seconds(n: int) -> float:
+        t = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                     use_tqdm=False)
+        return time.perf_counter() - t
+    seconds(8)                                  # warm-up
+    return statistics.median(seconds(tokens) / tokens * 1e3 for _ in range(repeats))
 
 
 def zoo_report(models: str = "models", results: str | None = None) -> dict:

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
+from specserve.data.corpus import Corpus, read_text
+from specserve.inputs import TokensPrompt
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
 from specserve.train.bpe import EOS
-from specserve.train.corpus import Corpus, read_text
 
 OPENING_STRIDE = 2000          # characters between the openings taken from one file
 MAX_OPENINGS_PER_FILE = 16
@@ -43,7 +46,6 @@ class GeneratedData:
 
 def fit_prompts(llm, prompts: list[str], max_tokens: int) -> list:
     """Token prompts that leave room for `max_tokens` in the model's context (cut from the left)."""
-    from specserve import TokensPrompt
     room = max(1, llm.engine.max_model_len - max_tokens - 1)
     return [TokensPrompt(prompt_token_ids=llm.get_tokenizer().encode(p)[-room:]) for p in prompts]
 
@@ -76,7 +78,6 @@ def generated_tokens(target_dir: Path, corpus: Corpus, num: int, length: int, se
     of openings skip..num - 1."""
     if num <= skip:
         return np.zeros(0, dtype=np.int64)
-    from specserve import LLM, SamplingParams
     llm = LLM(str(target_dir), device="cpu", seed=seed)
     tok = llm.get_tokenizer()
     prompts = fit_prompts(llm, corpus_openings(corpus, num, seed)[skip:], length)

@@ -31,16 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve import methods
+from specserve.data.corpus import Corpus
+from specserve.data.prompts import completion_prompts
+from specserve.llm import LLM
 from specserve.models.loader import load_model
-from specserve.train.corpus import Corpus
+from specserve.sampling_params import SamplingParams
 from specserve.train.generated import GeneratedData, fit_prompts, with_generated
 from specserve.train.lm import _setup, prepare_data
 from specserve.train.trainer import TrainConfig, _positions, train
-
-def head_dir(target: str | Path, method: str) -> str:
-    """Where the zoo keeps `method`'s head for `target`: models/code-target-eagle3, ...; for
-    mtp the target plus its MTP layer (that directory is the model the engine loads)."""
-    return f"{str(target).rstrip('/')}-{method.replace('_', '-')}"
 
 
 def build_head(method: str, target, k: int, draft_vocab: int | None = None,
@@ -169,8 +167,6 @@ def save_head(method: str, head: nn.Module, out: Path, target_dir: Path,
 def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prompts: int = 8,
                  max_tokens: int = 96) -> dict:
     """Mean acceptance length at K, greedy, on held-out code prompts."""
-    from specserve import LLM, SamplingParams
-    from specserve.bench.prompts import completion_prompts
     spec = {"method": method, "num_speculative_tokens": k}
     in_target = methods.get(method).model_is_target      # the head dir is the target (mtp)
     if not in_target:

@@ -17,10 +17,10 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 
 from specserve.config import resolve_device
+from specserve.data.corpus import Corpus, encode_files
 from specserve.models.llama import LlamaArgs, LlamaForCausalLM
 from specserve.models.loader import load_model, save_model
 from specserve.train.bpe import EOS, save_tokenizer, train_bpe
-from specserve.train.corpus import Corpus, encode_files
 from specserve.train.generated import GeneratedData, with_generated
 from specserve.train.trainer import LossFn, TrainConfig, evaluate_bpb, lm_loss, train
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specserve.models.metadata import ragged_inputs
+from specserve.data.corpus import Corpus
 from specserve.kv_cache import KVCache
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model
-from specserve.train.corpus import Corpus
+from specserve.models.metadata import ragged_inputs
 from specserve.train.lm import _setup, prepare_data, train_and_export
 from specserve.train.trainer import LossFn, TrainConfig, _positions
 

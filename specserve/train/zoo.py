@@ -21,8 +21,9 @@ import dataclasses
 from pathlib import Path
 from typing import NamedTuple
 
+from specserve.data.zoo import head_dir
 from specserve.train.generated import GeneratedData
-from specserve.train.heads import head_dir, train_heads
+from specserve.train.heads import train_heads
 from specserve.train.lm import ModelShape, train_draft, train_lm
 from specserve.train.trainer import TrainConfig
 from specserve.train.unlikelihood import UnlikelihoodConfig, train_unlikelihood

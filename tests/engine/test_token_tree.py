@@ -9,12 +9,12 @@ import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.config import SpeculativeConfig
-from specserve.methods import resolve_speculative_config
 from specserve.engine.engine import make_kv_cache
-from specserve.models.metadata import build_metadata, build_tree_metadata, tree_rows
+from specserve.methods import resolve_speculative_config
+from specserve.methods.base import Proposal, ProposerBase
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_model
-from specserve.methods.base import Proposal, ProposerBase
+from specserve.models.metadata import build_metadata, build_tree_metadata, tree_rows
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.token_tree import TokenTree, accepted_path, ancestors
 from tests.methods.test_heads import eagle3_ckpt, eagle_ckpt, medusa_ckpt, mtp_target

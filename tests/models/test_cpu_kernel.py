@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.models.metadata import build_metadata
 from specserve.kv_cache import KVCache
 from specserve.models.cpu_kernel import linear_rows, load_library, pack_weight
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_model
+from specserve.models.metadata import build_metadata
 
 pytestmark = pytest.mark.skipif(load_library() is None,
                                 reason="the CPU kernel could not be built here (no C compiler)")
@@ -222,8 +222,13 @@ def test_chain_drafting_in_one_call_drafts_what_the_loop_drafts(method, threshol
     and without a confidence threshold, and the output stays the target's."""
     from specserve import LLM
     from tests.conftest import make_hf_model
-    from tests.methods.test_heads import (eagle3_ckpt, eagle_ckpt, greedy_of_several_lengths,
-                                            mtp_target, record_drafts)
+    from tests.methods.test_heads import (
+        eagle3_ckpt,
+        eagle_ckpt,
+        greedy_of_several_lengths,
+        mtp_target,
+        record_drafts,
+    )
     target = llama_dir
     if method == "eagle3":
         spec = {"model": str(eagle3_ckpt(tmp_path / "e3", seed=6))}

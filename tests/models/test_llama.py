@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.models.metadata import build_metadata
 from specserve.kv_cache import KVCache
 from specserve.models.cpu_kernel import load_library
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_model
+from specserve.models.metadata import build_metadata
 
 TOL = 1e-4
 

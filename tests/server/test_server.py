@@ -15,8 +15,8 @@ import pytest
 import uvicorn
 
 from specserve import LLM, SamplingParams
-from specserve.engine.engine import LLMEngine
 from specserve.config import ServerConfig
+from specserve.engine.engine import LLMEngine
 from specserve.llm import build_engine_config
 from specserve.server.app import build_app
 

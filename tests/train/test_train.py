@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from specserve import LLM, SamplingParams, TokensPrompt
+from specserve.data.corpus import Corpus, read_text
 from specserve.train.bpe import train_bpe
-from specserve.train.corpus import Corpus, read_text
 from specserve.train.generated import GeneratedData, corpus_openings, mix_generated
 from specserve.train.lm import ModelShape, train_draft, train_lm
 from specserve.train.trainer import TrainConfig
@@ -298,6 +298,7 @@ def test_top1_weight_adds_a_cross_entropy_to_the_targets_top_token():
     likely token, and fitting free logits to a flat target with it gives that token a wider
     lead than the KL alone does (the KL's optimum is the target itself)."""
     import torch.nn.functional as F
+
     from specserve.train.heads import _distill
     torch.manual_seed(0)
     logits, target = torch.randn(2, 5, 50), torch.randn(2, 5, 50)
@@ -348,10 +349,10 @@ def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path)
 def test_eagle3_unrolled_training_drafts_as_the_chain_does(tiny_lm):
     """The training-time test: pass j at row t equals the KV-cached drafting chain started after
     position t (context ingested with target states, then j drafts fed back), for every t."""
-    from specserve.models.metadata import ragged_inputs
     from specserve.kv_cache import KVCache
-    from specserve.models.loader import load_model
     from specserve.methods.eagle3 import unrolled_drafts
+    from specserve.models.loader import load_model
+    from specserve.models.metadata import ragged_inputs
     from specserve.train.heads import build_head
     target = load_model(tiny_lm[0], torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
@@ -457,8 +458,12 @@ def test_unlikelihood_fine_tuning_reduces_greedy_repeats(tiny_lm, small_corpus, 
     """The tiny model loops under greedy decoding; unlikelihood steps make it loop less on
     openings it was not trained on, and the output is a loadable HF directory."""
     from specserve.models.loader import load_model
-    from specserve.train.unlikelihood import (UnlikelihoodConfig, greedy_rollouts, repeat_mask,
-                                              train_unlikelihood)
+    from specserve.train.unlikelihood import (
+        UnlikelihoodConfig,
+        greedy_rollouts,
+        repeat_mask,
+        train_unlikelihood,
+    )
     out, _, _ = tiny_lm
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))

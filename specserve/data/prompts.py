@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from specserve.train.corpus import Corpus, read_text
+from specserve.data.corpus import Corpus, read_text
 
 _DEF = re.compile(r"^(    )?(def|class) \w+", re.M)
 
