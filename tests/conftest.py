@@ -66,7 +66,7 @@ def hf_model(request, tmp_path_factory):
 def path_kind(request) -> str:
     """A logits test runs on the PyTorch path and on the compiled CPU kernel (which takes the
     steps of up to max_rows(lib) rows: 512 with AVX-512, 48 with AVX2)."""
-    from specserve.models.cpu_kernel import load_library
+    from specserve.kernels.cpu import load_library
     if request.param == "kernel" and load_library() is None:
         pytest.skip("the CPU kernel could not be built here (no C compiler with OpenMP)")
     return request.param

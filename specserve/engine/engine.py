@@ -18,7 +18,7 @@ from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.kv_cache import KVCache
 from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
 from specserve.metrics import SpecDecodingStats
-from specserve.models.layers import use_decode_linears
+from specserve.models.layers import backend_name, use_decode_linears
 from specserve.models.loader import load_hf_config, load_model, read_json
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
@@ -87,6 +87,11 @@ class LLMEngine:
             caches += self.proposer.caches
             self.runner.aux_layers = self.proposer.aux_hidden_layers
         self.scheduler = Scheduler(sc, caches)
+        parts = [f"target {backend_name(self.model)}"] + [
+            f"{role} {backend_name(m)}"
+            for role, m in (self.proposer.modules if self.proposer else {}).items()]
+        logger.info("backend: %s; %s, %d threads", "; ".join(parts), mc.dtype,
+                    torch.get_num_threads())
         self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec else 0
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens)
         self.adaptive_k = (AdaptiveK(self.num_spec_tokens)

@@ -109,6 +109,8 @@ class Proposer(Protocol):
     caches: list[KVCache]
     # The longest context it can draft for (a draft model's own limit); None = the target's.
     max_model_len: int | None
+    # Its models by role ("draft model", "head"), for the engine's one-line backend log.
+    modules: dict[str, nn.Module]
 
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
         """Draft up to `batch.max_num_tokens[i]` tokens for each of `batch.requests` (which may
@@ -134,6 +136,7 @@ class ProposerBase:
     aux_hidden_layers: tuple[int, ...] = ()
     caches: list[KVCache] = []
     max_model_len: int | None = None
+    modules: dict[str, nn.Module] = {}
 
     def finish(self, request: DraftRequest) -> None:
         pass

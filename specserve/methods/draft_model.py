@@ -16,7 +16,7 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
-from specserve.models.cpu_kernel import max_rows
+from specserve.kernels.cpu import max_rows
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_hf_config, load_model
 from specserve.models.metadata import ragged_inputs
@@ -46,6 +46,7 @@ class DraftModelProposer(ProposerBase):
         self.cache = ctx.new_kv_cache(a.num_hidden_layers, a.num_key_value_heads, limit,
                                       a.head_dim, next(self.model.parameters()).dtype)
         self.caches = [self.cache]
+        self.modules = {"draft model": self.model}
         self.device = ctx.device
         self.sample = config.draft_sample_method == "probabilistic"
         self.threshold = config.draft_confidence_threshold

@@ -22,7 +22,7 @@ from specserve.methods.checkpoints import (
     write_head,
 )
 from specserve.methods.head_proposer import HeadProposer
-from specserve.models.cpu_kernel import HeadChain
+from specserve.kernels.cpu import HeadChain
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import AttentionMetadata
 from specserve.models.llama import DecoderLayer, LlamaArgs

@@ -24,7 +24,7 @@ from specserve.methods.checkpoints import (
     write_head,
 )
 from specserve.methods.head_proposer import HeadProposer
-from specserve.models.cpu_kernel import HeadChain, kernel_step
+from specserve.kernels.cpu import HeadChain, kernel_step
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import MLP, Attention, RMSNorm
 from specserve.models.llama import LlamaArgs

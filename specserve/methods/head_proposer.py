@@ -24,7 +24,7 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.methods.base import DraftContext, Proposal, ProposeBatch, ProposerBase
 from specserve.methods.checkpoints import ready
-from specserve.models.cpu_kernel import max_rows
+from specserve.kernels.cpu import max_rows
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import Rotary
 from specserve.models.metadata import build_tree_metadata, ragged_inputs
@@ -46,6 +46,7 @@ class HeadProposer(ProposerBase):
         self.cache = ctx.new_kv_cache(1, a.num_key_value_heads, max_len, a.head_dim,
                                       next(self.head.parameters()).dtype)
         self.caches = [self.cache]
+        self.modules = {"head": self.head}
         self.device = ctx.device
         self.threshold = config.draft_confidence_threshold
         self.tree = config.token_tree()             # None: draft a chain

@@ -27,6 +27,7 @@ class HybridProposer(ProposerBase):
         self.aux_hidden_layers = drafter.aux_hidden_layers
         self.caches = drafter.caches
         self.max_model_len = drafter.max_model_len
+        self.modules = drafter.modules
         self.num_lookup_drafts = 0       # requests drafted by lookup (for benchmarks and tests)
 
     def propose(self, batch: ProposeBatch) -> list[Proposal]:

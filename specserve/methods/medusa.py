@@ -123,6 +123,7 @@ def loss(head: MedusaHeads, x, pos, h, aux, logp, k: int, distill):
 class MedusaProposer(ProposerBase):
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext) -> None:
         self.heads = ready(read(config.model, ctx.target), ctx.device, ctx.dtype, ctx.cpu_kernel)
+        self.modules = {"heads": self.heads}
         self.tree = config.token_tree()             # None: draft a chain
         if self.tree is None:
             check_k("medusa", config.num_speculative_tokens, self.heads.num_heads)

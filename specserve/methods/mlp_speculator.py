@@ -113,6 +113,7 @@ def loss(head: MLPSpeculator, x, pos, h, aux, logp, k: int, distill):
 class MLPSpeculatorProposer(ProposerBase):
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext) -> None:
         self.spec = ready(read(config.model, ctx.target), ctx.device, ctx.dtype, ctx.cpu_kernel)
+        self.modules = {"speculator": self.spec}
         check_k("mlp_speculator", config.num_speculative_tokens, self.spec.n_predict)
         self.device = ctx.device
 

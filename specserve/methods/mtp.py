@@ -23,7 +23,7 @@ from specserve.methods.checkpoints import (
     to_dtype,
 )
 from specserve.methods.head_proposer import HeadProposer
-from specserve.models.cpu_kernel import HeadChain
+from specserve.kernels.cpu import HeadChain
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import RMSNorm
 from specserve.models.llama import DecoderLayer, LlamaArgs

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.models.cpu_kernel import HeadChain
+from specserve.kernels.cpu import HeadChain
 from specserve.models.layers import RMSNorm, Rotary
 from specserve.models.llama import LlamaArgs
 

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specserve.models.cpu_kernel import (
+from specserve.kernels.cpu import (
     CpuLayer,
+    cpu_features,
     linear_rows,
     load_library,
     max_rows,
@@ -242,8 +243,8 @@ class DecodeLinear(nn.Module):
     packed for it (`kernel_weight`, which `CpuLayer` reads too); longer inputs (prompt chunks)
     take F.linear. Without the kernel, oneDNN with the weight reordered once for a multi-row
     layout keeps the cost nearly flat from 1 to about 8 rows, and a one-row step is cheaper
-    too (`specserve bench latency`, runs 3, 4 and 7 in benchmarks/RESULTS.md); in bfloat16 it
-    also beats F.linear's kernel (run 13).
+    too; in bfloat16 it also beats F.linear's kernel (`specserve bench latency --pytorch-path`
+    compares the paths).
     """
 
     PACK_ROWS = 16
@@ -312,6 +313,18 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
             if hasattr(module, "kernel_forward"):
                 module.cpu_forward = module.kernel_forward()
     return model
+
+
+def backend_name(model: nn.Module) -> str:
+    """Which path `model`'s steps take, as chosen by use_decode_linears (for the engine's log)."""
+    w = next(model.parameters())
+    if w.device.type != "cpu":
+        return w.device.type
+    linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
+    lib = next((m.lib for m in linears if m.lib is not None), None)
+    if lib is not None:
+        return f"cpu kernel ({cpu_features(lib)}, steps up to {max_rows(lib)} rows)"
+    return "pytorch cpu (oneDNN linears)" if linears else "pytorch cpu"
 
 
 def _onednn_linear_available(dtype: torch.dtype) -> bool:

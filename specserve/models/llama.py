@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.models.cpu_kernel import LlamaChain, LlamaForward, kernel_step
+from specserve.kernels.cpu import LlamaChain, LlamaForward, kernel_step
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -113,7 +113,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
         # Set by use_decode_linears on float32 CPU inference models: runs cached steps of up
-        # to max_rows(lib) rows in compiled code (models/cpu_kernel.py).
+        # to max_rows(lib) rows in compiled code (kernels/cpu).
         self.cpu_layer = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],

@@ -175,3 +175,13 @@ def test_the_engine_leaves_the_garbage_collector_alone_unless_asked(llama_dir):
     assert id(llm.engine.model) not in walked and id(llm.engine.cache) not in walked
     assert id(llm.engine.model.layers[0]) not in walked
     gc.unfreeze()
+
+
+def test_the_engine_logs_its_backends_in_one_line(llama_dir, draft_dir, caplog):
+    import logging
+    caplog.set_level(logging.INFO, logger="specserve")
+    LLM(str(llama_dir), device="cpu", cpu_kernel=False,
+        speculative_config={"model": str(draft_dir), "num_speculative_tokens": 2})
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("backend:")]
+    assert line.startswith("backend: target pytorch cpu")
+    assert "; draft model pytorch cpu" in line and "float32" in line and "threads" in line

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specserve.kv_cache import KVCache
-from specserve.models.cpu_kernel import load_library
+from specserve.kernels.cpu import load_library
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_model
 from specserve.models.metadata import build_metadata

@@ -1,4 +1,4 @@
-"""The compiled few-row CPU forward (`cpu_kernel.c`) for Llama-family models held in float32
+"""The compiled few-row CPU forward (`kernel.c`) for Llama-family models held in float32
 (a bfloat16 model is held in float32 with its matrix products taking bfloat16 inputs).
 
 Eager PyTorch spends a batch-1 decode step of a small model mostly outside the weights: some
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_kernel.c")
+SOURCE = Path(__file__).with_name("kernel.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 GROUP = 4                # blocks of a packed weight kept input by input (GROUP in C)
 _P = ctypes.c_void_p
@@ -43,6 +43,19 @@ class _Shape(ctypes.Structure):
                                     "intermediate", "attn_in", "max_len", "mode",
                                     "rot_stride")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _HeadChainArgs(ctypes.Structure):
+    """kernel.c's HeadChainArgs, field by field (its size is checked at load)."""
+
+    _fields_ = [("s", ctypes.POINTER(_Shape)), ("T", _I64),
+                ("in_tok", _P), ("in_slot", _P), ("in_pos", _P), ("last", _P), ("in_h", _P),
+                ("B", _I64), ("n", _I64), ("state", _P), ("slots", _P), ("pos0", _P),
+                ("budget", _P), ("threshold", ctypes.c_float), ("embed", _P), ("e_norm", _P),
+                ("h_norm", _P), ("fc", _P), ("fc_mode", ctypes.c_int), ("fc_bias", _P),
+                ("final_norm", _P), ("lm_head", _P), ("lm_mode", ctypes.c_int),
+                ("vocab", _I64), ("d2t", _P), ("cos_sin", _P), ("w", _P), ("k_cache", _P),
+                ("v_cache", _P), ("tokens", _P), ("nthreads", ctypes.c_int)]
 
 
 def _cache_dir() -> Path:
@@ -60,22 +73,32 @@ def _cpu_id() -> str:
                 "")
 
 
+def _build(cc: str, flags: tuple[str, ...], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        built = Path(tmp) / path.name
+        subprocess.run([cc, *flags, "-o", str(built), str(SOURCE), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=300)
+        os.replace(built, path)        # atomic: a concurrent build cannot half-write
+
+
 @functools.cache
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernel, built once per source, compiler and CPU; None when it cannot be."""
+    """The compiled kernel, built once per source, compiler and CPU; None when it cannot be.
+    A cached library that does not load (truncated, built by another toolchain) is rebuilt once."""
     cc = os.environ.get("CC", "cc")
     flags = (*FLAGS, *os.environ.get("CFLAGS", "").split())   # later flags win: -march=...
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *flags, _cpu_id())).encode())
     path = _cache_dir() / f"cpu_kernel-{key.hexdigest()[:16]}.so"
     try:
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                built = Path(tmp) / path.name
-                subprocess.run([cc, *flags, "-o", str(built), str(SOURCE), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=300)
-                os.replace(built, path)        # atomic: a concurrent build cannot half-write
-        lib = ctypes.CDLL(str(path))
+            _build(cc, flags, path)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:
+            path.unlink(missing_ok=True)
+            _build(cc, flags, path)
+            lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or e
         warnings.warn(f"specserve: the CPU decode kernel could not be built with {cc!r} "
@@ -90,11 +113,13 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_layer.restype = ctypes.c_int
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
-    lib.specserve_head_chain.argtypes = [ctypes.POINTER(_Shape), _I64] + [_P] * 5 + [
-        _I64, _I64] + [_P] * 4 + [
-        ctypes.c_float] + [_P] * 4 + [ctypes.c_int] + [_P] * 3 + [ctypes.c_int, _I64] + [
-        _P] * 6 + [ctypes.c_int]
+    lib.specserve_head_chain.argtypes = [ctypes.POINTER(_HeadChainArgs)]
     lib.specserve_head_chain.restype = ctypes.c_int
+    lib.specserve_head_chain_args_size.argtypes = []
+    lib.specserve_head_chain_args_size.restype = ctypes.c_size_t
+    if lib.specserve_head_chain_args_size() != ctypes.sizeof(_HeadChainArgs):
+        raise RuntimeError("specserve: kernel.c's HeadChainArgs and binding.py's differ; "
+                           "update them together")
     lib.specserve_llama_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64, _I64] + [_P] * 3 + [
         ctypes.c_float] + [_P] * 3 + [ctypes.c_int, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
     lib.specserve_llama_chain.restype = ctypes.c_int
@@ -104,6 +129,14 @@ def load_library() -> ctypes.CDLL | None:
     for fn in (lib.specserve_block, lib.specserve_max_rows):
         fn.argtypes, fn.restype = [], ctypes.c_int
     return lib
+
+
+def cpu_features(lib: ctypes.CDLL) -> str:
+    """The instruction set the library was built for, in words."""
+    flags = _cpu_id().split()
+    width = "AVX-512" if lib.specserve_block() == 16 else "AVX2" if lib.specserve_block() == 8 \
+        else f"{lib.specserve_block()}-wide vectors"
+    return width + (" with AVX512-BF16" if "avx512_bf16" in flags else "")
 
 
 @functools.cache
@@ -261,11 +294,16 @@ class _Chain:
         [B, max budget]."""
         self._check_end(max(p + n - 1 for p, n in zip(positions, budgets)), "draft")
         ints = torch.tensor([slots, positions, budgets], dtype=torch.long)     # [3, B]
-        rc = fn(*before, *(row.data_ptr() for row in ints), threshold, *after,
-                tokens.data_ptr(), torch.get_num_threads())
+        self._check_rc(fn(*before, *(row.data_ptr() for row in ints), threshold, *after,
+                          tokens.data_ptr(), torch.get_num_threads()))
+        return [t[:n] for t, n in zip(tokens.tolist(), ints[2].tolist())]   # budgets as drafted
+
+    def _check_rc(self, rc: int) -> None:
+        if rc == -2:
+            raise ValueError(f"{type(self).__name__}: the C side refused a position outside "
+                             "the KV cache or a draft budget above the chain's length")
         if rc != 0:
             raise MemoryError(f"{type(self).__name__}: could not allocate scratch memory")
-        return [t[:n] for t, n in zip(tokens.tolist(), ints[2].tolist())]   # budgets as drafted
 
     def _check_end(self, end: int, what: str) -> None:
         """Refuse positions from `end` on (the C code indexes rotary rows and KV unchecked)."""
@@ -300,8 +338,7 @@ class HeadChain(_Chain):
         with a threshold a request stops after its first draft the head gives a lower
         probability."""
         state = state.contiguous().clone()                       # the C call overwrites it
-        return self._draft((0, None, None, None, None, None), state, positions, slots, budgets,
-                           threshold)
+        return self._draft({"T": 0}, state, positions, slots, budgets, threshold)
 
     def after_ingest(self, ids: list[int], h: torch.Tensor, row_slots: list[int],
                      row_positions: list[int], last: list[int], positions: list[int],
@@ -316,20 +353,27 @@ class HeadChain(_Chain):
         ints = torch.tensor([ids, row_slots, row_positions], dtype=torch.long)     # [3, T]
         last_t = torch.tensor(last, dtype=torch.long)
         state = h.new_empty(len(last), h.shape[1])
-        return self._draft((len(ids), ints[0].data_ptr(), h.data_ptr(), ints[1].data_ptr(),
-                            ints[2].data_ptr(), last_t.data_ptr()), state, positions, slots,
-                           budgets, threshold)
+        ingest = {"T": len(ids), "in_tok": ints[0].data_ptr(), "in_h": h.data_ptr(),
+                  "in_slot": ints[1].data_ptr(), "in_pos": ints[2].data_ptr(),
+                  "last": last_t.data_ptr()}
+        return self._draft(ingest, state, positions, slots, budgets, threshold)
 
-    def _draft(self, ingest: tuple, state: torch.Tensor, positions: list[int],
+    def _draft(self, ingest: dict, state: torch.Tensor, positions: list[int],
                slots: list[int], budgets: list[int], threshold: float) -> list[list[int]]:
         n = max(budgets)
+        self._check_end(max(p + k - 1 for p, k in zip(positions, budgets)), "draft")
+        ints = torch.tensor([slots, positions, budgets], dtype=torch.long)     # [3, B]
+        tokens = torch.empty(len(slots), n, dtype=torch.long)
         cos_sin, emb, e_n, h_n, fc, fc_b, fin_n, lm, d2t, k, v = self.ptrs
-        return self._call(self.lib.specserve_head_chain,
-                          (ctypes.byref(self.shape), *ingest, len(slots), n, state.data_ptr()),
-                          slots, positions, budgets, threshold,
-                          (emb, e_n, h_n, fc, self.fc_mode, fc_b, fin_n, lm, self.lm_mode,
-                           self.vocab, d2t, cos_sin, self.layer.weights, k, v),
-                          torch.empty(len(slots), n, dtype=torch.long))
+        args = _HeadChainArgs(
+            s=ctypes.pointer(self.shape), B=len(slots), n=n, state=state.data_ptr(),
+            slots=ints[0].data_ptr(), pos0=ints[1].data_ptr(), budget=ints[2].data_ptr(),
+            threshold=threshold, embed=emb, e_norm=e_n, h_norm=h_n, fc=fc, fc_mode=self.fc_mode,
+            fc_bias=fc_b, final_norm=fin_n, lm_head=lm, lm_mode=self.lm_mode, vocab=self.vocab,
+            d2t=d2t, cos_sin=cos_sin, w=ctypes.cast(self.layer.weights, _P), k_cache=k,
+            v_cache=v, tokens=tokens.data_ptr(), nthreads=torch.get_num_threads(), **ingest)
+        self._check_rc(self.lib.specserve_head_chain(ctypes.byref(args)))
+        return [t[:b] for t, b in zip(tokens.tolist(), ints[2].tolist())]   # budgets as drafted
 
 
 class _LayerArrays:

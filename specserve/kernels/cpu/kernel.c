@@ -1,4 +1,4 @@
-/* Few-row float32 forward of a Llama-family decoder on the CPU (see cpu_kernel.py).
+/* Few-row float32 forward of a Llama-family decoder on the CPU (see binding.py).
  *
  * A decode or verify step feeds a handful of rows, so every weight matrix is read once from
  * memory and each row's products run from cache: the step costs about the weight bytes over
@@ -7,7 +7,7 @@
  * other rows are, so a row's result does not depend on how many rows share the step (a
  * one-token decode and a five-token verify agree bit for bit).
  *
- * Built by cpu_kernel.py with: cc -O3 -march=native -fopenmp -shared -fPIC.
+ * Built by binding.py with: cc -O3 -march=native -fopenmp -shared -fPIC.
  */
 #include <math.h>
 #include <stdint.h>
@@ -96,7 +96,7 @@ static float dot(const float *a, const float *b, int64_t n) {
     return r;
 }
 
-/* Weight modes (the packed layout and what the products take; cpu_kernel.pack_weight):
+/* Weight modes (the packed layout and what the products take; binding.pack_weight):
  * F32: float32 weights, float32 inputs; BF16: weights that bfloat16 holds exactly (checkpoints
  * stored in bfloat16), streamed in bfloat16: half the bytes, the same products; PAIRS:
  * bfloat16 weights and inputs (the inputs rounded to nearest even), accumulated in float32:
@@ -453,7 +453,7 @@ static void scores(const float *q, const float *keys, int64_t n, int64_t D, floa
     for (int64_t i = 0; i < n; i++) out[i] = dot(q, keys + i * D, D) * scale;
 }
 
-/* A layer's weights, in the order cpu_kernel.py passes them (NULL where a layer has none). */
+/* A layer's weights, in the order binding.py passes them (NULL where a layer has none). */
 enum { IN_NORM, QKV_W, QKV_B, Q_NORM, K_NORM, O_W, POST_NORM, GATE_UP_W, DOWN_W, NUM_PTRS };
 
 typedef struct {
@@ -698,16 +698,16 @@ static int head_rows(const Shape *ls, int64_t m, const int64_t *tok, float *x,
  * from state[b] by greedy_rows (final_norm NULL for EAGLE-1; d2t for EAGLE-3's draft
  * vocabulary); while the request drafts on, head_rows feeds (token j, state) at position
  * pos0[b] + j of slot slots[b] and its output is the next state. state [B, H] is overwritten. */
-int specserve_head_chain(const Shape *s, int64_t T, const int64_t *in_tok, float *in_h,
-                         const int64_t *in_slot, const int64_t *in_pos, const int64_t *last,
-                         int64_t B, int64_t n, float *state,
-                         const int64_t *slots, const int64_t *pos0, int64_t *budget,
-                         float threshold, const float *embed, const float *e_norm,
-                         const float *h_norm, const void *fc, int fc_mode, const float *fc_bias,
-                         const float *final_norm, const void *lm_head, int lm_mode,
-                         int64_t vocab, const int64_t *d2t, const float *cos_sin,
-                         const void *const *w, float *k_cache, float *v_cache, int64_t *tokens,
-                         int nthreads) {
+static int head_chain(const Shape *s, int64_t T, const int64_t *in_tok, float *in_h,
+                      const int64_t *in_slot, const int64_t *in_pos, const int64_t *last,
+                      int64_t B, int64_t n, float *state,
+                      const int64_t *slots, const int64_t *pos0, int64_t *budget,
+                      float threshold, const float *embed, const float *e_norm,
+                      const float *h_norm, const void *fc, int fc_mode, const float *fc_bias,
+                      const float *final_norm, const void *lm_head, int lm_mode,
+                      int64_t vocab, const int64_t *d2t, const float *cos_sin,
+                      const void *const *w, float *k_cache, float *v_cache, int64_t *tokens,
+                      int nthreads) {
     const int64_t H = s->hidden, D = s->head_dim, R = T > B ? T : B;
     Shape ls = *s;
     ls.rot_stride = 2 * D;
@@ -740,6 +740,53 @@ int specserve_head_chain(const Shape *s, int64_t T, const int64_t *in_tok, float
     }
     free(normed); free(logits); free(cat); free(rot); free(prob); free(ints);
     return rc;
+}
+
+/* specserve_head_chain's arguments by name (binding.py mirrors it; it checks the size
+ * against specserve_head_chain_args_size at load, so a mismatched copy fails there, not in
+ * memory). */
+typedef struct {
+    const Shape *s;
+    int64_t T;                  /* rows to ingest first (0: none) */
+    const int64_t *in_tok, *in_slot, *in_pos, *last;
+    float *in_h;
+    int64_t B, n;               /* drafting requests, most drafts per request */
+    float *state;
+    const int64_t *slots, *pos0;
+    int64_t *budget;
+    float threshold;
+    const float *embed, *e_norm, *h_norm;
+    const void *fc;
+    int fc_mode;
+    const float *fc_bias, *final_norm;
+    const void *lm_head;
+    int lm_mode;
+    int64_t vocab;
+    const int64_t *d2t;
+    const float *cos_sin;
+    const void *const *w;
+    float *k_cache, *v_cache;
+    int64_t *tokens;
+    int nthreads;
+} HeadChainArgs;
+
+size_t specserve_head_chain_args_size(void) { return sizeof(HeadChainArgs); }
+
+/* The head's chain (see head_chain). Returns -1 when out of memory, -2 when an ingest row or
+ * a draft would be written outside the KV cache's positions (s->max_len). */
+int specserve_head_chain(const HeadChainArgs *a) {
+    const int64_t L = a->s->max_len;
+    for (int64_t t = 0; t < a->T; t++)
+        if (a->in_pos[t] < 0 || a->in_pos[t] >= L) return -2;
+    for (int64_t b = 0; b < a->B; b++)
+        if ((a->T > 0 && (a->last[b] < 0 || a->last[b] >= a->T)) || a->pos0[b] < 0
+            || a->budget[b] < 0 || a->budget[b] > a->n || a->pos0[b] + a->budget[b] - 1 > L)
+            return -2;
+    return head_chain(a->s, a->T, a->in_tok, a->in_h, a->in_slot, a->in_pos, a->last, a->B,
+                      a->n, a->state, a->slots, a->pos0, a->budget, a->threshold, a->embed,
+                      a->e_norm, a->h_norm, a->fc, a->fc_mode, a->fc_bias, a->final_norm,
+                      a->lm_head, a->lm_mode, a->vocab, a->d2t, a->cos_sin, a->w, a->k_cache,
+                      a->v_cache, a->tokens, a->nthreads);
 }
 
 /* A whole decoder (a draft model): tokens[b * n] holds each request's first draft; pass j =

@@ -1,0 +1,1 @@
+"""Compiled kernels, below the models that call them."""
