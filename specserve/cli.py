@@ -10,8 +10,14 @@ import dataclasses
 import json
 import sys
 import time
+from pathlib import Path
 
-from specserve.config import ModelConfig, SchedulerConfig, ServerConfig, load_json_or_yaml_arg
+from specserve.config import (
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    load_json_or_yaml_arg,
+)
 from specserve.methods import head_methods
 
 
@@ -138,13 +144,17 @@ def cmd_zoo(args: argparse.Namespace) -> None:
         from specserve.train.evaluate import zoo_report
         zoo_report(args.out, args.results)
         return
-    from specserve.train.zoo import build_zoo
+    from specserve.train.zoo import build_zoo, manifest
+    if args.action == "manifest":
+        (Path(args.out) / "MANIFEST").write_text(manifest(Path(args.out)))
+        return
     build_zoo(args.out, max_minutes=args.max_minutes, device=args.device)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from specserve.bench import offline, serve, tree
-    modes = {"latency": offline.main, "serve": serve.main, "tree": tree.main}
+    from specserve.bench import latency, report, serve, tree
+    modes = {"latency": latency.main, "serve": serve.main, "tree": tree.main,
+             "report": report.main}
     if not args.bench_args or args.bench_args[0] not in modes:
         raise SystemExit(f"usage: specserve bench {{{','.join(modes)}}} [--help]")
     modes[args.bench_args[0]](args.bench_args)
@@ -205,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(t.add_argument_group("unlikelihood"), UnlikelihoodConfig)
     t.set_defaults(func=cmd_train)
 
-    z = sub.add_parser("zoo", help="rebuild (build) or measure (eval) the bundled model zoo")
-    z.add_argument("action", choices=["build", "eval"])
+    z = sub.add_parser("zoo", help="rebuild (build), measure (eval) or list (manifest) the "
+                       "bundled model zoo")
+    z.add_argument("action", choices=["build", "eval", "manifest"])
     z.add_argument("--out", default="models")
     z.add_argument("--max-minutes", type=float, default=None,
                    help="stop each stage after this long (resumable)")

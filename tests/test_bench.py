@@ -75,7 +75,7 @@ def test_method_plus_k_conf_and_lookup_set_k_the_threshold_and_lookup():
 def test_weight_bytes_as_stored_and_as_the_cpu_kernel_streams_them(llama_dir):
     import torch
 
-    from specserve.bench.offline import weight_bytes
+    from specserve.bench.probes import weight_bytes
     from specserve.kernels.cpu import load_library
     from specserve.models.layers import use_decode_linears
     from specserve.models.loader import load_model
@@ -124,14 +124,14 @@ class _Runner:
 def test_each_round_starts_without_the_previous_rounds_answers():
     """The rounds repeat the same prompts: a runner forgets what it learned from them (suffix's
     past responses) before each round, so that the rounds measure the same thing."""
-    from specserve.bench.offline import run_suite
+    from specserve.bench.latency import run_suite
     runners = [_Runner("a"), _Runner("b")]
     run_suite(runners, ["p", "q", "r"], batch=2, max_tokens=3, rounds=3)
     assert [r.rounds for r in runners] == [3, 3]
 
 
 def test_greedy_outputs_are_compared_with_the_no_spec_of_their_dtype():
-    from specserve.bench.offline import run_suite
+    from specserve.bench.latency import run_suite
     runners = [_Runner("a"), _Runner("b"), _Runner("c", "bfloat16", 2),
                _Runner("d", "bfloat16", 1)]
     results = {r.name: r for r in run_suite(runners, ["p", "q", "r"], batch=2, max_tokens=3,
@@ -139,21 +139,66 @@ def test_greedy_outputs_are_compared_with_the_no_spec_of_their_dtype():
     assert [results[n].same_output for n in "abcd"] == ["3/3", "3/3", "3/3", "0/3"]
 
 
+def _suite():
+    from specserve.bench.latency import run_suite
+    runners = [_Runner("specserve no-spec", tpot=3.0), _Runner("specserve fast", tpot=1.5),
+               _Runner("peer")]
+    return [r.as_dict() for r in run_suite(runners, ["p", "q"], batch=1, max_tokens=3,
+                                           rounds=2)]
+
+
 def test_table_shows_decode_speedup_from_tpot():
-    """TPOT (decode alone) beside tokens/s: its speedup is against the base's TPOT; runners
+    """TPOT (decode alone) beside tokens/s: its speedup is against no-spec's TPOT; runners
     without per-token times (transformers) leave both cells empty."""
-    from specserve.bench.offline import _table, run_suite
-    runners = [_Runner("base", tpot=3.0), _Runner("fast", tpot=1.5), _Runner("peer")]
-    results = run_suite(runners, ["p", "q"], batch=1, max_tokens=3, rounds=2)
-    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in _table(
-        results, "base").splitlines()[2:]}
-    assert rows["base"][3:5] == ["3.00", "1.00x"]
-    assert rows["fast"][3:5] == ["1.50", "2.00x"]
+    from specserve.bench.report import latency_table
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")
+            for line in latency_table(_suite()).splitlines()[2:]}
+    assert rows["specserve no-spec"][3:5] == ["3.00", "1.00x"]
+    assert rows["specserve fast"][3:5] == ["1.50", "2.00x"]
     assert rows["peer"][3:5] == ["", ""]
 
 
+def _latency_run() -> dict:
+    from specserve.bench.probes import machine
+    suite = _suite()
+    for r, speed in zip(suite, (100.0, 200.0, 50.0)):     # timings of fake runners are noise
+        r["median_tokens_per_s"] = speed
+    return {"benchmark": "latency", "title": "t", "command": "specserve bench latency x",
+            "machine": machine(), "settings": {"target": "T", "draft": "D", "dtypes": ["float32"],
+                                               "temperature": 0.0, "num_prompts": 2,
+                                               "max_tokens": 3, "rounds": 2,
+                                               "speculative_config_extra": None, "configs": {}},
+            "bandwidth_gbs": 10.0, "weight_bytes": 10**7, "weight_bytes_streamed": 5 * 10**6,
+            "decode_ms_per_token": {"specserve no-spec": 1.0},
+            "prompt_ms": {"lengths": [64], "by_config": {"specserve no-spec": [5.0]}},
+            "suites": {f"{p}, batch {b}": suite for p in ("completion", "editing")
+                       for b in (1, 8)}}
+
+
+def test_a_run_writes_its_json_table_and_plot_to_runs_and_publishes_on_request(tmp_path,
+                                                                                monkeypatch):
+    import json
+
+    from specserve.bench import report
+    monkeypatch.setattr(report, "LATEST", tmp_path / "latest")
+    monkeypatch.setattr(report, "HISTORY", tmp_path / "HISTORY.md")
+    data = _latency_run()
+    paths = report.save(data, tmp_path / "runs")
+    assert json.loads(open(paths["json"]).read()) == data
+    assert "### completion, batch 1" in open(paths["table"]).read()
+    assert open(paths["plot"], "rb").read(4) == b"\x89PNG"
+    assert not (tmp_path / "latest").exists() and not (tmp_path / "HISTORY.md").exists()
+    report.save(data, tmp_path / "runs", publish=True)
+    assert sorted(p.name for p in (tmp_path / "latest").iterdir()) == [
+        "latency.json", "latency.md", "latency.png"]
+    (line,) = (tmp_path / "HISTORY.md").read_text().splitlines()
+    assert "`specserve bench latency x`" in line and "completion, batch 1: fast 2.00x" in line
+    table = report.readme_table(data)
+    assert "| fast | 2.00x | 2.00x | 2.00x / 2.00x | 2.00x | 2.00x |" in table
+
+
 def test_specserve_runner_times_each_request_after_its_first_token(llama_dir):
-    from specserve.bench.offline import SpecserveRunner
+    from specserve.bench.runners import SpecserveRunner
     r = SpecserveRunner("plain", str(llama_dir), None, "float32")
     r.new_round()
     r.run([TokensPrompt(prompt_token_ids=[1, 2, 3]), TokensPrompt(prompt_token_ids=[4, 5])],
@@ -166,7 +211,7 @@ def test_specserve_runner_times_each_request_after_its_first_token(llama_dir):
 
 
 def test_hybrid_runner_notes_the_share_of_lookup_drafts(llama_dir, draft_dir):
-    from specserve.bench.offline import SpecserveRunner
+    from specserve.bench.runners import SpecserveRunner
     from tests.test_spec_decode import repetitive_prompts
     spec = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
     plain = SpecserveRunner("plain", str(llama_dir), spec, "float32")
@@ -183,7 +228,7 @@ def test_hybrid_runner_notes_the_share_of_lookup_drafts(llama_dir, draft_dir):
 
 def test_prompt_ms_times_a_prompt_of_the_given_length(llama_dir):
     from specserve import LLM
-    from specserve.bench.offline import prompt_ms
+    from specserve.bench.probes import prompt_ms
     llm = LLM(str(llama_dir), device="cpu")
     fed = []
     model_forward = llm.engine.model.forward

@@ -51,7 +51,6 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="float32 or bfloat16; bench latency takes a comma-separated list and "
                         "runs no-spec and every method in each (speedups against the first "
                         "dtype's no-spec, greedy output compared within a dtype)")
-    p.add_argument("--results", default="benchmarks/RESULTS.md")
 
 
 def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:

@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import torch
 
+from specserve.bench import report
 from specserve.bench.methods import add_common_args, configs
+from specserve.bench.probes import machine
 from specserve.data.prompts import PROMPT_SETS
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
@@ -140,24 +139,6 @@ def _offline_tpot_ms(model: str, spec: dict | None, prompts: list[str], max_toke
     return 1e3 * statistics.median(tpots[1:])
 
 
-def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in dict.fromkeys(r["config"] for r in rows):
-        rs = [r for r in rows if r["config"] == name]
-        a.plot([r["concurrency"] for r in rs], [r["output_tokens_per_s"] for r in rs], "o-",
-               label=name)
-        b.plot([r["concurrency"] for r in rs], [r["tpot_p50_ms"] for r in rs], "o-", label=name)
-    a.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log", title="throughput")
-    b.set(xlabel="concurrency", ylabel="TPOT p50 (ms)", xscale="log", title="time per token")
-    a.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="specserve bench serve", description=__doc__)
     p.add_argument("mode", choices=["serve"])
@@ -171,6 +152,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="torch threads of the server and of the offline reference (default: "
                         "all CPUs but one, which the load generator on this machine needs)")
+    report.add_output_args(p)
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     specs: dict[str, tuple[str, dict | None]] = {"no-spec": (a.target, None)} | configs(a)
@@ -208,32 +190,12 @@ def main(argv: list[str]) -> None:
                                  "offline_ms_per_token": offline[name] if c == 1 else None}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    base = {r["concurrency"]: r["output_tokens_per_s"] for r in rows if r["config"] == "no-spec"}
-    out = Path(a.results)
-    png = out.parent / f"serve-{datetime.datetime.now():%Y-%m-%d-%H%M%S}.png"
-    _plot(rows, png)
-    lines = ["\n## Serving load: `specserve serve` over HTTP\n",
-             f"- date: {datetime.date.today().isoformat()}; machine: {platform.machine()}, "
-             f"{os.cpu_count()} CPUs, {a.threads} torch threads for the server and the offline "
-             "reference (the load generator runs on the same machine)",
-             f"- command: `specserve bench {' '.join(argv)}`",
-             f"- target {a.target}, draft {a.draft}, dtype {a.dtype}, "
-             f"K={a.num_speculative_tokens}, greedy, extra speculative_config "
-             f"{a.spec_extra or 'none'}, {a.prompt_set} prompts, "
-             f"{a.max_tokens} tokens per request, closed loop, {a.requests_per_client} requests "
-             f"per client, {a.rounds} interleaved rounds (median throughput); plot: {png.name}",
-             "",
-             "| config | concurrency | output tok/s | vs no-spec | TTFT p50/p90/p99 ms | "
-             "TPOT p50/p90/p99 ms | offline TPOT ms | errors |",
-             "|---|---:|---:|---:|---|---|---:|---:|"]
-    for r in rows:
-        off = "" if r["offline_ms_per_token"] is None else f"{r['offline_ms_per_token']:.2f}"
-        lines.append(
-            f"| {r['config']} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | "
-            f"{r['output_tokens_per_s'] / base[r['concurrency']]:.2f}x | "
-            f"{r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f}/{r['ttft_p99_ms']:.0f} | "
-            f"{r['tpot_p50_ms']:.2f}/{r['tpot_p90_ms']:.2f}/{r['tpot_p99_ms']:.2f} | {off} | "
-            f"{r['errors']} |")
-    with open(out, "a") as f:
-        f.write("\n".join(lines) + "\n")
-    print(json.dumps({"results": str(out), "plot": str(png)}))
+    data = {"benchmark": "serve", "title": "Serving load: `specserve serve` over HTTP",
+            "command": "specserve bench " + " ".join(argv), "machine": machine(a.threads),
+            "settings": {"target": a.target, "draft": a.draft, "dtype": a.dtype,
+                         "k": a.num_speculative_tokens, "prompt_set": a.prompt_set,
+                         "max_tokens": a.max_tokens, "requests_per_client": a.requests_per_client,
+                         "rounds": a.rounds, "threads": a.threads,
+                         "speculative_config_extra": a.spec_extra},
+            "rows": rows}
+    print(report.save(data, a.out, a.publish))

@@ -12,14 +12,12 @@ here to `specserve bench latency --methods M,M+tree --token-tree ...` to time th
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-from pathlib import Path
-
-import torch
 
 from specserve import methods
+from specserve.bench import report
 from specserve.bench.methods import spec_config
+from specserve.bench.probes import machine
 from specserve.data.prompts import PROMPT_SETS
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
@@ -73,8 +71,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--results", default="benchmarks/RESULTS.md")
     p.add_argument("--title", default="Draft tree nodes: acceptance and best trees")
+    report.add_output_args(p)
     a = p.parse_args(argv)
     tree = measurement_tree(a.max_depth, a.max_rank_sum)
     model, spec = spec_config(a.method, 1, a.target, "")
@@ -93,15 +91,13 @@ def main(argv: list[str]) -> None:
     table = ["| nodes | expected tau | speculative_token_tree |", "|---:|---:|---|"]
     table += [f"| {n} | {tau:.2f} | `{[tuple(q) for q in t.paths]}` |" for n, tau, t in rows]
     print("\n".join(table))
-    cmd = "specserve bench " + " ".join(argv)
-    lines = [f"\n## {a.title}\n",
-             f"- date: {datetime.date.today().isoformat()}; torch {torch.__version__}",
-             f"- command: `{cmd}`",
-             f"- {a.method} on {a.target}, {', '.join(sets)} prompts ({a.num_prompts} x "
-             f"{a.max_tokens} tokens), temperature {a.temperature}; measured on the "
-             f"{len(tree)}-node tree (depth <= {a.max_depth}, rank sum <= {a.max_rank_sum})", "",
-             *table, ""]
-    out = Path(a.results)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as f:
-        f.write("\n".join(lines) + "\n")
+    data = {"benchmark": "tree", "title": a.title, "command": "specserve bench " + " ".join(argv),
+            "machine": machine(),
+            "settings": {"method": a.method, "target": a.target, "prompt_sets": sets,
+                         "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
+                         "temperature": a.temperature, "measured_nodes": len(tree),
+                         "max_depth": a.max_depth, "max_rank_sum": a.max_rank_sum},
+            "node_rates": rates,
+            "rows": [{"nodes": n, "expected_tau": tau, "tree": str([tuple(q) for q in t.paths])}
+                     for n, tau, t in rows]}
+    print(report.save(data, a.out, a.publish))

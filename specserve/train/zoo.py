@@ -18,6 +18,7 @@ Stages (each resumes from its checkpoint in `<work>/`):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -227,3 +228,32 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
     if bpb != bpb:
         return
     retarget(out_dir, work_dir, stage1, **kw)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "MANIFEST").write_text(manifest(out_dir))
+
+
+# The `build_zoo` stages that write each bundled directory (the last one to touch it).
+MANIFEST_STAGES = {
+    "code-target": "target: pretraining, unlikelihood, unlikelihood stage 2 (TARGET_STAGES, "
+                   "TARGET_UL)",
+    "code-draft": "draft: DRAFT_STAGES, then retarget (RETARGET_DRAFT)",
+    "code-target-eagle3": "eagle3 head: HEAD_RECIPES, retarget, RETARGET_EAGLE3_MORE",
+    "code-target-eagle": "eagle head: HEAD_RECIPES, retarget",
+    "code-target-medusa": "medusa head: HEAD_RECIPES, retarget",
+    "code-target-mlp-speculator": "mlp_speculator head: HEAD_RECIPES, retarget",
+    "code-target-mtp": "mtp layer: HEAD_RECIPES, retarget (weight shards link to code-target)",
+}
+
+
+def manifest(models: Path) -> str:
+    """models/MANIFEST: every bundled file with its sha256, size and the stage that made it
+    (the tokenizer files: the BPE step of the target's pretraining)."""
+    lines = ["# sha256  bytes  path  stage (specserve zoo build; regenerate with "
+             "`specserve zoo manifest`)"]
+    for path in sorted(p for p in models.rglob("*") if p.is_file() and p.name != "MANIFEST"):
+        rel = path.relative_to(models)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        stage = ("tokenizer: BPE trained with the target" if path.name.startswith(
+            ("tokenizer", "special_tokens")) else MANIFEST_STAGES.get(rel.parts[0], "?"))
+        lines.append(f"{digest}  {path.stat().st_size}  {rel.as_posix()}  {stage}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,158 @@
+"""`specserve bench latency`: configurations side by side in one process.
+
+For each prompt set and batch size, every configuration (no speculation, each speculation
+method, and transformers' generate / assisted generation / prompt lookup on the same models)
+runs the same greedy prompts. Rounds alternate the configuration order; the report gives the
+median tokens/s over rounds, the speedup over specserve without speculation, tau and
+per-position acceptance, and whether greedy output equals no-spec's. A run writes one JSON
+(the source of truth) with its Markdown table and PNG plot (`bench/report.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from specserve.bench import report
+from specserve.bench.methods import add_common_args, configs
+from specserve.bench.probes import (
+    decode_ms_per_token,
+    machine,
+    memory_bandwidth_gbs,
+    prompt_ms,
+    weight_bytes,
+)
+from specserve.bench.runners import Result, SpecserveRunner, TransformersRunner
+from specserve.data.prompts import PROMPT_SETS
+from specserve.token_tree import TokenTree
+
+
+def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: int,
+              temperature: float = 0.0) -> list[Result]:
+    """Runs every runner on every prompt group per round; greedy outputs (not when sampling)
+    are compared with those of the first runner of the same dtype (the dtype's no-spec)."""
+    results = {r.name: Result(r.name) for r in runners}
+    outputs: dict[str, list[list[int]]] = {}
+    groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+    for r in runners:                                   # warm-up
+        r.run(prompts[:1], 8)
+    for rnd in range(rounds):
+        order = runners if rnd % 2 == 0 else runners[::-1]
+        for r in order:
+            if isinstance(r, TransformersRunner) and batch > 1:
+                continue
+            r.new_round()
+            t = time.perf_counter()
+            outputs[r.name] = [ids for g in groups for ids in r.run(g, max_tokens, temperature)]
+            n = sum(len(ids) for ids in outputs[r.name])
+            results[r.name].tokens_per_s.append(n / (time.perf_counter() - t))
+            if (tpot := r.tpot_ms()) is not None:
+                results[r.name].tpot_ms.append(tpot)
+    first = {}
+    for r in runners:
+        first.setdefault(r.dtype, r.name)
+    for r in runners:
+        if not temperature and r.name in outputs:
+            ref = outputs[first[r.dtype]]
+            same = sum(a == b for a, b in zip(outputs[r.name], ref))
+            results[r.name].same_output = f"{same}/{len(ref)}"
+    for r in runners:
+        acc = r.acceptance()
+        if acc:
+            results[r.name].tau, results[r.name].acceptance_rate, results[r.name].per_pos = acc
+        results[r.name].note = r.note()
+    return [res for res in results.values() if res.tokens_per_s]
+
+
+def _k_label(spec: dict) -> str:
+    if spec.get("speculative_token_tree"):
+        return f"tree of {len(TokenTree.parse(spec['speculative_token_tree']))}"
+    label = f"K={spec['num_speculative_tokens']}"
+    if spec.get("draft_confidence_threshold"):
+        label += f", conf >= {spec['draft_confidence_threshold']:g}"
+    return label
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="specserve bench latency", description=__doc__)
+    p.add_argument("mode", choices=["latency"])
+    add_common_args(p)
+    p.add_argument("--prompt-sets", default="completion,editing")
+    p.add_argument("--batch-sizes", default="1,8")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (outputs compared with no-spec); > 0 samples, seeded per prompt")
+    p.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
+    p.add_argument("--pytorch-path", action="store_true",
+                   help="also run no-spec without the compiled CPU kernel (cpu_kernel=False)")
+    p.add_argument("--title", default="Offline latency: specserve methods and transformers")
+    report.add_output_args(p)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    K = a.num_speculative_tokens
+    specs = configs(a)
+    dtypes = a.dtype.split(",")
+    dtype = dtypes[0]
+    all_results: dict[str, list[Result]] = {}
+    bw = memory_bandwidth_gbs()
+    for set_name in a.prompt_sets.split(","):
+        prompts = PROMPT_SETS[set_name](a.num_prompts)
+        for batch in [int(b) for b in a.batch_sizes.split(",")]:
+            # Fresh engines per suite so acceptance statistics belong to this suite only.
+            runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype)]
+            if a.pytorch_path:
+                runners.append(SpecserveRunner("specserve no-spec, PyTorch path", a.target,
+                                               None, dtype, cpu_kernel=False))
+            for d in dtypes:                  # the first dtype unnamed; each further one named
+                tag = "" if d == dtype else f", {d}"
+                if tag:
+                    runners.append(SpecserveRunner(f"specserve no-spec{tag}", a.target, None, d))
+                runners += [SpecserveRunner(f"specserve {m} ({_k_label(spec)}){tag}", model, spec,
+                                            d) for m, (model, spec) in specs.items()]
+            if not a.no_transformers and batch == 1:
+                runners += [TransformersRunner("transformers generate()", a.target, None, None,
+                                               dtype),
+                            TransformersRunner("transformers assisted (draft, K dynamic)",
+                                               a.target, a.draft, None, dtype),
+                            TransformersRunner(f"transformers prompt lookup ({K})", a.target,
+                                               None, K, dtype)]
+            key = f"{set_name}, batch {batch}"
+            print(f"== {key}", flush=True)
+            all_results[key] = run_suite(runners, prompts, batch, a.max_tokens, a.rounds,
+                                         a.temperature)
+            print(report.latency_table([r.as_dict() for r in all_results[key]]), flush=True)
+    # Decode alone against the bandwidth floor (tokens/s above include the prompts' prefill).
+    floor_runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype)]
+    if a.pytorch_path:
+        floor_runners.append(SpecserveRunner("specserve no-spec, PyTorch path", a.target, None,
+                                             dtype, cpu_kernel=False))
+    floor_runners += [SpecserveRunner(f"specserve no-spec, {d}", a.target, None, d)
+                      for d in dtypes[1:]]
+    decode = {r.name: decode_ms_per_token(r.llm) for r in floor_runners}
+    lengths = [n for n in (64, 256, 512)
+               if n < floor_runners[0].llm.engine.max_model_len]
+    prefill = {r.name: [prompt_ms(r.llm, n) for n in lengths] for r in floor_runners}
+    target_model = floor_runners[0].llm.engine.model
+    wb, streamed = weight_bytes(target_model), weight_bytes(target_model, streamed=True)
+    # Measured again at the end, the higher reading kept: on a shared machine one reading can
+    # come out at half the rate of the next, which would halve the floor's strictness.
+    bw = max(bw, memory_bandwidth_gbs())
+    data = {"benchmark": "latency", "title": a.title,
+            "command": "specserve bench " + " ".join(argv), "machine": machine(),
+            "settings": {"target": a.target, "draft": a.draft, "dtypes": dtypes,
+                         "temperature": a.temperature, "num_prompts": a.num_prompts,
+                         "max_tokens": a.max_tokens, "rounds": a.rounds,
+                         "speculative_config_extra": a.spec_extra,
+                         "configs": {m: spec for m, (_, spec) in specs.items()}},
+            "bandwidth_gbs": bw, "weight_bytes": wb, "weight_bytes_streamed": streamed,
+            "decode_ms_per_token": decode,
+            "prompt_ms": {"lengths": lengths, "by_config": prefill},
+            "suites": {key: [r.as_dict() for r in results]
+                       for key, results in all_results.items()}}
+    print(report.save(data, a.out, a.publish))

@@ -1,0 +1,104 @@
+"""What a benchmark records about the machine and the model: bandwidth, CPU, commit, decode and
+prompt timings, the bytes a decode step reads."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from specserve.inputs import TokensPrompt
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+
+
+def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth measured by summing a large float32 tensor (best of `repeats`)."""
+    x = torch.ones(mb * 1024 * 1024 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def greedy_seconds(llm: LLM, n: int) -> float:
+    """Wall time of one batch-1 greedy request of `n` new tokens after a 64-token prompt."""
+    t = time.perf_counter()
+    llm.generate(TokensPrompt(prompt_token_ids=list(range(10, 74))),
+                 SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def prompt_ms(llm, n: int, repeats: int = 5) -> float:
+    """Batch-1 time to the first token of an `n`-token prompt (median of repeats, in ms): the
+    prompt's forward (its chunks, a drafter's pass over it) and one sampled token."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompt = TokensPrompt(prompt_token_ids=[10 + i % 64 for i in range(n)])
+    times = []
+    for _ in range(repeats + 1):                          # the first run warms up
+        t = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1e3
+
+
+def decode_ms_per_token(llm, tokens: int = 128, repeats: int = 5) -> float:
+    """Batch-1 greedy decode time per token without the prompt's cost: the median over
+    repeats of (time for `tokens` tokens - time for 1 token) / (tokens - 1), 64-token prompt."""
+    greedy_seconds(llm, 8)
+    return statistics.median((greedy_seconds(llm, tokens) - greedy_seconds(llm, 1))
+                             / (tokens - 1) for _ in range(repeats)) * 1e3
+
+
+def cpu_name() -> str:
+    """The CPU's model name (runs on different machines are not comparable)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def weight_bytes(model: torch.nn.Module, streamed: bool = False) -> int:
+    """Bytes of the weights a decode step reads: every weight except the input embedding table
+    (only one row of it is read per token) unless it doubles as the lm_head. `streamed`: as
+    the CPU kernel stores them (bfloat16-valued weights packed in bfloat16), else as the
+    model's parameters."""
+    packed = {id(m.weight): m.kernel_weight for m in model.modules()
+              if getattr(m, "kernel_weight", None) is not None} if streamed else {}
+    total = sum(packed[id(p)].element_size() * p.numel() if id(p) in packed
+                else p.numel() * p.element_size() for p in model.parameters())
+    if not model.args.tie_word_embeddings:
+        e = model.embed_tokens.weight
+        total -= e.numel() * e.element_size()
+    return total
+
+
+def git_commit() -> str:
+    """The checkout's commit (with "+dirty" when it has local changes), or "unknown"."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--",
+                                "specserve"], capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine(threads: int | None = None) -> dict:
+    """The machine a run was taken on (runs on different machines are not comparable)."""
+    return {"cpu": cpu_name(), "arch": platform.machine(), "cpus": os.cpu_count(),
+            "torch_threads": threads or torch.get_num_threads(), "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "commit": git_commit()}

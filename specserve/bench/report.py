@@ -1,0 +1,254 @@
+"""Benchmark results: one JSON per run, the source of truth, and the Markdown table and PNG
+plot made from it. A run writes to the git-ignored runs/bench/; `--publish` also writes
+benchmarks/latest/<benchmark>.{json,md,png} and adds a line to benchmarks/HISTORY.md.
+`specserve bench report RUN.json [--readme]` makes the table and plot again (or the README's
+method table)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LATEST = REPO / "benchmarks" / "latest"
+HISTORY = REPO / "benchmarks" / "HISTORY.md"
+BASE = "specserve no-spec"
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="runs/bench",
+                   help="directory for the run's JSON, table and plot (default: runs/bench)")
+    p.add_argument("--publish", action="store_true",
+                   help="also write them to benchmarks/latest/ and add a line to "
+                        "benchmarks/HISTORY.md")
+
+
+def save(data: dict, out: str | Path, publish: bool = False) -> dict[str, str]:
+    """Write the run's JSON, Markdown and PNG; returns their paths."""
+    stem = f"{data['benchmark']}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    paths = _write(data, Path(out), stem)
+    if publish:
+        paths["published"] = _write(data, LATEST, data["benchmark"])["json"]
+        with HISTORY.open("a") as f:
+            f.write(history_line(data) + "\n")
+    return paths
+
+
+def _write(data: dict, directory: Path, stem: str) -> dict[str, str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    base = directory / stem
+    base.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    base.with_suffix(".md").write_text(markdown(data))
+    out = {"json": str(base.with_suffix(".json")), "table": str(base.with_suffix(".md"))}
+    if plot(data, base.with_suffix(".png")):
+        out["plot"] = str(base.with_suffix(".png"))
+    return out
+
+
+def _header(data: dict) -> list[str]:
+    m = data["machine"]
+    return [f"## {data['title']}", "",
+            f"- {m['date']}, commit {m['commit']}; {m['cpu']} ({m['arch']}, {m['cpus']} CPUs), "
+            f"{m['torch_threads']} torch threads, torch {m['torch']}",
+            f"- command: `{data['command']}`"]
+
+
+def latency_table(results: list[dict]) -> str:
+    """One suite: a row per configuration with its speedups over no-spec."""
+    ref = next(r for r in results if r["name"] == BASE)
+    rows = ["| configuration | tokens/s (median) | speedup vs no-spec | TPOT ms (median) "
+            "| decode speedup | tau | acceptance rate | per-position acceptance "
+            "| greedy output = no-spec |",
+            "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in results:
+        name = r["name"] if r["note"] is None else f"{r['name']}, {r['note']}"
+        tpot, tau, rate = r["median_tpot_ms"], r["tau"], r["acceptance_rate"]
+        decode = (f"{ref['median_tpot_ms'] / tpot:.2f}x" if tpot and ref["median_tpot_ms"]
+                  else "")
+        pp = "" if r["per_pos"] is None else ", ".join(f"{x:.2f}" for x in r["per_pos"])
+        rows.append(
+            f"| {name} | {r['median_tokens_per_s']:.1f} | "
+            f"{r['median_tokens_per_s'] / ref['median_tokens_per_s']:.2f}x | "
+            f"{'' if tpot is None else f'{tpot:.2f}'} | {decode} | "
+            f"{'' if tau is None else f'{tau:.2f}'} | "
+            f"{'' if rate is None else f'{rate:.1%}'} | {pp} | {r['same_output'] or ''} |")
+    return "\n".join(rows)
+
+
+def _latency_markdown(data: dict) -> list[str]:
+    s = data["settings"]
+    bw, wb = data["bandwidth_gbs"], data["weight_bytes"]
+    lines = [f"- target {s['target']}, draft {s['draft']}, dtypes {', '.join(s['dtypes'])}, "
+             f"temperature {s['temperature']}, {s['num_prompts']} prompts x {s['max_tokens']} "
+             f"new tokens, median of {s['rounds']} rounds, speculative_config extra: "
+             f"{s['speculative_config_extra'] or 'none'}",
+             f"- measured read bandwidth {bw:.1f} GB/s; target weights read per step "
+             f"{wb / 1e6:.1f} MB ({data['weight_bytes_streamed'] / 1e6:.1f} MB as the CPU kernel "
+             f"streams them): bandwidth floor {wb / bw / 1e6:.2f} ms/token",
+             "- batch-1 greedy decode alone (prompt time taken out): " + "; ".join(
+                 f"{name} {ms:.2f} ms/token" for name, ms in data["decode_ms_per_token"].items()),
+             f"- time to the first token of a {' / '.join(map(str, data['prompt_ms']['lengths']))}"
+             "-token prompt: " + "; ".join(
+                 f"{name} {' / '.join(f'{ms:.1f}' for ms in times)} ms"
+                 for name, times in data["prompt_ms"]["by_config"].items()), ""]
+    for key, results in data["suites"].items():
+        lines += [f"### {key}", "", latency_table(results), ""]
+    return lines
+
+
+def _serve_markdown(data: dict) -> list[str]:
+    s = data["settings"]
+    base = {r["concurrency"]: r["output_tokens_per_s"] for r in data["rows"]
+            if r["config"] == "no-spec"}
+    lines = [f"- target {s['target']}, draft {s['draft']}, dtype {s['dtype']}, K={s['k']}, "
+             f"greedy, {s['prompt_set']} prompts, {s['max_tokens']} tokens per request, closed "
+             f"loop, {s['requests_per_client']} requests per client, {s['rounds']} interleaved "
+             f"rounds (median throughput), {s['threads']} torch threads for the server", "",
+             "| config | concurrency | output tok/s | vs no-spec | TTFT p50/p90/p99 ms | "
+             "TPOT p50/p90/p99 ms | offline TPOT ms | errors |",
+             "|---|---:|---:|---:|---|---|---:|---:|"]
+    for r in data["rows"]:
+        off = "" if r["offline_ms_per_token"] is None else f"{r['offline_ms_per_token']:.2f}"
+        lines.append(
+            f"| {r['config']} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | "
+            f"{r['output_tokens_per_s'] / base[r['concurrency']]:.2f}x | "
+            f"{r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f}/{r['ttft_p99_ms']:.0f} | "
+            f"{r['tpot_p50_ms']:.2f}/{r['tpot_p90_ms']:.2f}/{r['tpot_p99_ms']:.2f} | {off} | "
+            f"{r['errors']} |")
+    return lines + [""]
+
+
+def _tree_markdown(data: dict) -> list[str]:
+    s = data["settings"]
+    return [f"- {s['method']} on {s['target']}, {', '.join(s['prompt_sets'])} prompts, "
+            f"temperature {s['temperature']}; node acceptance measured on a "
+            f"{s['measured_nodes']}-node tree", "",
+            "| nodes | expected tau | speculative_token_tree |", "|---:|---:|---|",
+            *(f"| {r['nodes']} | {r['expected_tau']:.2f} | `{r['tree']}` |"
+              for r in data["rows"]), ""]
+
+
+_MARKDOWN = {"latency": _latency_markdown, "serve": _serve_markdown, "tree": _tree_markdown}
+
+
+def markdown(data: dict) -> str:
+    return "\n".join(_header(data) + _MARKDOWN[data["benchmark"]](data)) + "\n"
+
+
+def plot(data: dict, path: Path) -> bool:
+    """The run's PNG (latency: tokens/s per suite; serve: throughput and TPOT by concurrency);
+    False for a benchmark without one."""
+    if data["benchmark"] not in ("latency", "serve"):
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if data["benchmark"] == "latency":
+        suites = data["suites"]
+        fig, axes = plt.subplots(1, len(suites), figsize=(5 * len(suites), 4), squeeze=False)
+        for ax, (title, results) in zip(axes[0], suites.items()):
+            ax.barh([r["name"] for r in results], [r["median_tokens_per_s"] for r in results])
+            ax.set(title=title, xlabel="tokens/s (median)")
+            ax.invert_yaxis()
+    else:
+        rows = data["rows"]
+        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        for name in dict.fromkeys(r["config"] for r in rows):
+            rs = [r for r in rows if r["config"] == name]
+            a.plot([r["concurrency"] for r in rs], [r["output_tokens_per_s"] for r in rs], "o-",
+                   label=name)
+            b.plot([r["concurrency"] for r in rs], [r["tpot_p50_ms"] for r in rs], "o-",
+                   label=name)
+        a.set(xlabel="concurrency", ylabel="output tokens/s", xscale="log", title="throughput")
+        b.set(xlabel="concurrency", ylabel="TPOT p50 (ms)", xscale="log", title="time per token")
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _best(data: dict) -> dict[str, tuple[str, float]]:
+    """Per suite (or concurrency), the configuration with the best speedup over no-spec."""
+    best: dict[str, tuple[str, float]] = {}
+    if data["benchmark"] == "latency":
+        for key, results in data["suites"].items():
+            ref = next(r for r in results if r["name"] == BASE)["median_tokens_per_s"]
+            for r in results:
+                if "no-spec" not in r["name"]:
+                    v = r["median_tokens_per_s"] / ref
+                    if key not in best or v > best[key][1]:
+                        best[key] = (r["name"].removeprefix("specserve "), v)
+    elif data["benchmark"] == "serve":
+        base = {r["concurrency"]: r["output_tokens_per_s"] for r in data["rows"]
+                if r["config"] == "no-spec"}
+        for r in data["rows"]:
+            key, v = f"concurrency {r['concurrency']}", r["output_tokens_per_s"] / base[
+                r["concurrency"]]
+            if r["config"] != "no-spec" and (key not in best or v > best[key][1]):
+                best[key] = (r["config"], v)
+    return best
+
+
+def history_line(data: dict) -> str:
+    m = data["machine"]
+    best = "; ".join(f"{k}: {n} {v:.2f}x" for k, (n, v) in _best(data).items())
+    return (f"- {m['date']} · {m['commit']} · {data['title']} · `{data['command']}`"
+            + (f" · best: {best}" if best else ""))
+
+
+def readme_table(data: dict) -> str:
+    """The README's method table from a latency run with completion and editing suites at
+    batch 1 and 8: speedup in tokens/s, decode (TPOT) speedup, tau."""
+    suites = data["suites"]
+
+    def get(prompts: str, batch: int) -> dict[str, dict]:
+        return {r["name"]: r for r in suites.get(f"{prompts}, batch {batch}", [])}
+    c1, e1, c8, e8 = get("completion", 1), get("editing", 1), get("completion", 8), \
+        get("editing", 8)
+
+    def speedup(s: dict[str, dict], name: str) -> str:
+        return (f"{s[name]['median_tokens_per_s'] / s[BASE]['median_tokens_per_s']:.2f}x"
+                if name in s else "")
+
+    def decode(s: dict[str, dict], name: str) -> str:
+        return (f"{s[BASE]['median_tpot_ms'] / s[name]['median_tpot_ms']:.2f}x"
+                if name in s and s[name]["median_tpot_ms"] else "")
+    m, st = data["machine"], data["settings"]
+    lines = [f"Measured {m['date']} on {m['cpu']} ({m['cpus']} CPUs), {st['dtypes'][0]}, "
+             f"greedy, {st['num_prompts']} held-out prompts x {st['max_tokens']} tokens "
+             f"(`{data['command']}`, [benchmarks/latest/latency.md]"
+             "(benchmarks/latest/latency.md)); speedup in tokens/s over specserve without "
+             f"speculation ({c1[BASE]['median_tokens_per_s']:.0f} / "
+             f"{e1[BASE]['median_tokens_per_s']:.0f} tokens/s at batch 1); \"decode\" is the "
+             "speedup in time per output token after the first (prefill left out):", "",
+             "| method | completion, batch 1 | editing, batch 1 | decode, batch 1 | "
+             "completion, batch 8 | editing, batch 8 | tau (completion / editing) |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    names = sorted((n for n in c1 if n != BASE and n.startswith("specserve")),
+                   key=lambda n: -c1[n]["median_tokens_per_s"])
+    for n in names:
+        tau = " / ".join(f"{s[n]['tau']:.2f}" for s in (c1, e1) if n in s and s[n]["tau"])
+        lines.append(f"| {n.removeprefix('specserve ')} | {speedup(c1, n)} | {speedup(e1, n)} | "
+                     f"{decode(c1, n)} / {decode(e1, n)} | {speedup(c8, n)} | "
+                     f"{speedup(e8, n)} | {tau} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="specserve bench report", description=__doc__)
+    p.add_argument("mode", choices=["report"])
+    p.add_argument("json", help="a run's JSON (runs/bench/... or benchmarks/latest/...)")
+    p.add_argument("--readme", action="store_true",
+                   help="print the README's method table instead (latency runs)")
+    a = p.parse_args(argv)
+    path = Path(a.json)
+    data = json.loads(path.read_text())
+    if a.readme:
+        print(readme_table(data))
+        return
+    path.with_suffix(".md").write_text(markdown(data))
+    plot(data, path.with_suffix(".png"))
+    print(json.dumps({"table": str(path.with_suffix(".md"))}))

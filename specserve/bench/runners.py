@@ -1,0 +1,133 @@
+"""What a benchmark runs: specserve's LLM or transformers' generate() on a prompt group, each
+with the same interface, and the result a suite collects for each."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from specserve.llm import LLM
+from specserve.sampling_params import SamplingParams
+
+
+@dataclass
+class Result:
+    name: str
+    tokens_per_s: list[float] = field(default_factory=list)
+    # per round, the median over requests of (finish - first token) / (tokens - 1): decode
+    # alone, as vLLM's TPOT (tokens/s above include each prompt's prefill)
+    tpot_ms: list[float] = field(default_factory=list)
+    tau: float | None = None
+    acceptance_rate: float | None = None
+    per_pos: list[float] | None = None
+    same_output: str | None = None      # prompts whose greedy tokens equal no-spec's, "7/8"
+    note: str | None = None             # what the runner reports beside its name (`note()`)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tokens_per_s)
+
+    @property
+    def tpot(self) -> float | None:
+        return statistics.median(self.tpot_ms) if self.tpot_ms else None
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"median_tokens_per_s": self.median, "median_tpot_ms": self.tpot}
+
+
+class SpecserveRunner:
+    def __init__(self, name: str, target: str, spec: dict | None, dtype: str,
+                 cpu_kernel: bool = True) -> None:
+        self.name = name
+        self.llm = LLM(target, speculative_config=spec, dtype=dtype, device="cpu", freeze_gc=True,
+                       max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel)
+        self.spec, self.dtype = spec, dtype
+        self.tpots: list[float] = []        # ms per decoded token of each request this round
+
+    def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0
+            ) -> list[list[int]]:
+        """Output token ids of each prompt (seeded per prompt when sampling)."""
+        sp = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
+                             ignore_eos=True) for i in range(len(prompts))]
+        outs = self.llm.generate(prompts, sp, use_tqdm=False)
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            if n > 1:
+                self.tpots.append(1e3 * (o.metrics["finish_time"] - o.metrics["first_token_time"])
+                                  / (n - 1))
+        return [o.outputs[0].token_ids for o in outs]
+
+    def tpot_ms(self) -> float | None:
+        """The median time per output token after the first over this round's requests."""
+        return statistics.median(self.tpots) if self.tpots else None
+
+    def new_round(self) -> None:
+        """Forget what earlier rounds taught the drafter (suffix's past responses: the same
+        prompts come again)."""
+        self.tpots.clear()
+        self.llm.engine.reset_proposer()
+
+    def acceptance(self) -> tuple[float, float, list[float]] | None:
+        if self.spec is None:
+            return None
+        m = self.llm.get_metrics()
+        d = max(1, m["spec_decode_num_drafts"])
+        return (m["mean_acceptance_length"], m["acceptance_rate"],
+                [a / d for a in m["spec_decode_num_accepted_tokens_per_pos"]])
+
+    def note(self) -> str | None:
+        """adaptive_k: the mean K over the steps it chose; hybrid_prompt_lookup: the share of
+        drafts that prompt lookup made."""
+        m, notes = self.llm.get_metrics(), []
+        choices = m.get("adaptive_k_choices")
+        if choices:
+            mean = sum(k * n for k, n in choices.items()) / sum(choices.values())
+            notes.append(f"adaptive: mean K {mean:.1f}")
+        lookups = m.get("num_lookup_drafts")
+        if lookups is not None:
+            notes.append(f"lookup drafted {lookups / max(1, m['spec_decode_num_drafts']):.0%}")
+        return ", ".join(notes) or None
+
+
+class TransformersRunner:
+    """transformers generate(), assisted generation or prompt lookup (batch 1 only)."""
+
+    def __init__(self, name: str, target: str, draft: str | None, prompt_lookup: int | None,
+                 dtype: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        dt = getattr(torch, dtype)
+        self.name, self.dtype = name, dtype
+        self.tok = AutoTokenizer.from_pretrained(target)
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dt).eval()
+        self.kw: dict = {}
+        if draft:
+            self.kw["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft, dtype=dt).eval()
+        if prompt_lookup:
+            self.kw["prompt_lookup_num_tokens"] = prompt_lookup
+
+    @torch.inference_mode()
+    def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0
+            ) -> list[list[int]]:
+        outs = []
+        sample = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {
+            "do_sample": False}
+        for p in prompts:
+            ids = torch.tensor([self.tok(p)["input_ids"]])
+            out = self.model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                      pad_token_id=self.tok.eos_token_id, **sample, **self.kw)
+            outs.append(out[0, ids.shape[1]:].tolist())
+        return outs
+
+    def new_round(self) -> None:
+        pass
+
+    def tpot_ms(self) -> None:
+        return None                         # generate() reports no per-token times
+
+    def acceptance(self):
+        return None
+
+    def note(self):
+        return None

@@ -1,0 +1,245 @@
+"""Head training: every method's loss and format, init, draft vocabularies, joint training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from specserve import LLM, SamplingParams
+from specserve.train.generated import GeneratedData
+from specserve.train.trainer import TrainConfig
+from tests.train.conftest import _assert_same_weights
+
+
+def test_staged_head_build_skips_finished_stages(small_corpus, tiny_lm, tmp_path):
+    """A head stage the checkpoint has already passed reports itself skipped (not unfinished,
+    which would stop `zoo build`) and leaves the later stage's head in place."""
+    from specserve.train.heads import train_head
+    target, _, _ = tiny_lm
+
+    def stage(steps: int) -> dict:
+        cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=steps, batch_size=2, seq_len=32,
+                          warmup=1, ckpt_every=1, bf16=False, device="cpu")
+        return train_head("medusa", cfg, target, tmp_path / "medusa", k=2,
+                          gen=GeneratedData(num_generated=1, generated_len=8),
+                          corpus=small_corpus)
+
+    assert "tau" in stage(3) and "tau" in stage(5)
+    written = (tmp_path / "medusa" / "model.safetensors").read_bytes()
+    assert "step 5" in stage(3)["skipped"]
+    assert (tmp_path / "medusa" / "model.safetensors").read_bytes() == written
+
+
+def test_refreshed_draft_vocab_keeps_the_rows_of_tokens_both_hold():
+    from specserve.train.heads import _remap_vocab
+    torch.manual_seed(0)
+    target_lm = torch.randn(10, 4)                                   # [V, H]
+    old_ids = torch.tensor([1, 3, 5, 7])
+    trained = {"lm_head.weight": 3 * target_lm[old_ids] + 0.01, "d2t": old_ids - torch.arange(4),
+               "fc.weight": torch.ones(2)}
+    new_ids = torch.tensor([0, 3, 7, 8, 9])                          # a larger vocabulary
+    out = _remap_vocab(trained, new_ids - torch.arange(5), target_lm)
+    assert torch.equal(out["d2t"], new_ids - torch.arange(5))
+    assert out["fc.weight"] is trained["fc.weight"]
+    lm, old = out["lm_head.weight"], trained["lm_head.weight"]
+    assert torch.equal(lm[1], old[1]) and torch.equal(lm[2], old[3])        # tokens 3 and 7
+    scale = old[[1, 3]].norm(dim=1).mean() / target_lm[[3, 7]].norm(dim=1).mean()
+    for j, t in ((0, 0), (3, 8), (4, 9)):
+        torch.testing.assert_close(lm[j], target_lm[t] * scale)
+
+
+@pytest.mark.parametrize("method, draft_vocab, top1", [
+    ("medusa", None, 0), ("mlp_speculator", None, 0), ("eagle", None, 0), ("eagle3", None, 0),
+    ("eagle3", 100, 1.0), ("mtp", None, 0)])
+def test_head_training_smoke(method, draft_vocab, top1, tiny_lm, small_corpus, tmp_path):
+    """Seconds of training lower the loss, write the public format, and the head loads and
+    speculates losslessly with a measured tau."""
+    from specserve.train.heads import train_head
+    target, _, _ = tiny_lm
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=25, batch_size=4, seq_len=64, lr=3e-3,
+                      warmup=2, eval_every=25, bf16=False, device="cpu", top1_weight=top1)
+    result = train_head(method, cfg, target, tmp_path / f"tiny-{method}", k=3,
+                        gen=GeneratedData(num_generated=2, generated_len=16),
+                        corpus=small_corpus, draft_vocab=draft_vocab)
+    if draft_vocab:
+        d2t = load_file(str(tmp_path / f"tiny-{method}" / "model.safetensors"))["d2t"]
+        ids = torch.arange(draft_vocab) + d2t
+        assert len(set(ids.tolist())) == draft_vocab and ids.max() < 400 and d2t.any()
+    log = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
+    assert sum(r["loss"] for r in log[-3:]) < sum(r["loss"] for r in log[:3])
+    assert 1.0 <= result["tau"] <= 4.0 and len(result["per_position"]) == 3
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method != "mtp":
+        spec["model"] = str(tmp_path / f"tiny-{method}")
+    model = tmp_path / f"tiny-{method}" if method == "mtp" else target
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = LLM(str(target), device="cpu").generate("def f(x):", sp, use_tqdm=False)
+    got = LLM(str(model), device="cpu", speculative_config=spec).generate("def f(x):", sp,
+                                                                          use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    if method == "mtp":     # the target's weights are linked, not copied
+        shards = [f for f in model.iterdir() if f.suffix == ".safetensors"]
+        assert [f.name for f in shards if not f.is_symlink()] == ["model-mtp.safetensors"]
+
+
+def test_top1_weight_adds_a_cross_entropy_to_the_targets_top_token():
+    """--top1-weight: the loss gains that multiple of the cross-entropy to the target's most
+    likely token, and fitting free logits to a flat target with it gives that token a wider
+    lead than the KL alone does (the KL's optimum is the target itself)."""
+    import torch.nn.functional as F
+
+    from specserve.train.heads import _distill
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 5, 50), torch.randn(2, 5, 50)
+    logp = F.log_softmax(target, -1)
+    ce = F.cross_entropy(logits.flatten(0, 1), target.argmax(-1).flatten())
+    torch.testing.assert_close(_distill(logits, logp, 0.5) - _distill(logits, logp), 0.5 * ce)
+
+    flat = F.log_softmax(torch.tensor([[1.0, 0.9, 0.8, 0.0]]), -1)            # top token 0
+    leads = []
+    for weight in (0.0, 1.0):
+        x = torch.zeros(1, 4, requires_grad=True)
+        opt = torch.optim.Adam([x], lr=0.1)
+        for _ in range(300):
+            opt.zero_grad()
+            _distill(x, flat, weight).backward()
+            opt.step()
+        leads.append((x[0, 0] - x[0, 1:].max()).item())
+    assert leads[0] == pytest.approx(0.1, abs=0.02) and leads[1] > 3 * leads[0]
+    with pytest.raises(ValueError, match="top1_weight must be >= 0"):
+        TrainConfig(work_dir="w", top1_weight=-1)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "medusa"])
+def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path):
+    """--init: the run starts from the given head (with a zero learning rate it writes the same
+    weights back); a head of another shape is refused with the reason."""
+    from specserve.train.heads import train_head
+    target, _, _ = tiny_lm
+    gen = GeneratedData(num_generated=1, generated_len=8)
+
+    def run(work: str, out: str, lr: float, **kw) -> dict:
+        cfg = TrainConfig(work_dir=str(tmp_path / work), steps=4, batch_size=2, seq_len=32,
+                          lr=lr, warmup=1, bf16=False, device="cpu")
+        return train_head(method, cfg, target, tmp_path / out, k=2, gen=gen,
+                          corpus=small_corpus, draft_vocab=100 if method == "eagle3" else None,
+                          **kw)
+
+    run("w1", "first", 3e-3)
+    run("w2", "again", 0.0, init=tmp_path / "first")
+    _assert_same_weights(tmp_path / "first", tmp_path / "again")
+    with pytest.raises(ValueError, match="does not match"):
+        cfg = TrainConfig(work_dir=str(tmp_path / "w3"), steps=1, batch_size=2, seq_len=32,
+                          bf16=False, device="cpu")
+        train_head(method, cfg, target, tmp_path / "x", k=3, gen=gen, corpus=small_corpus,
+                   init=tmp_path / "first")
+
+
+def test_eagle3_unrolled_training_drafts_as_the_chain_does(tiny_lm):
+    """The training-time test: pass j at row t equals the KV-cached drafting chain started after
+    position t (context ingested with target states, then j drafts fed back), for every t."""
+    from specserve.kv_cache import KVCache
+    from specserve.methods.eagle3 import unrolled_drafts
+    from specserve.models.loader import load_model
+    from specserve.models.metadata import ragged_inputs
+    from specserve.train.heads import build_head
+    target = load_model(tiny_lm[0], torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    head = build_head("eagle3", target, k=3).float()
+    for p in head.parameters():             # a fresh head's zero-ish weights would hide errors
+        p.data.normal_(0, 0.3)
+    S, k, a = 12, 3, head.args
+    x = torch.randint(0, target.args.vocab_size, (1, S))
+    aux = torch.randn(1, S, 3 * a.hidden_size)
+    pos = torch.arange(S)[None]
+    with torch.no_grad():
+        outs = unrolled_drafts(head, x, aux, pos, k)
+        tok = x[0, 1:].tolist()
+        for t in range(S - k):
+            cache = KVCache(1, 1, a.num_key_value_heads, S, a.head_dim, torch.float32,
+                            torch.device("cpu")).layers[0]
+            ids, positions, md = ragged_inputs([tok[:t + 1]], [0], [0], torch.device("cpu"))
+            out = head(ids, head.fuse_target(aux[0, :t + 1]), positions, md, cache)[-1:]
+            torch.testing.assert_close(out[0], outs[0][0, t])
+            for j in range(1, k):
+                ids, positions, md = ragged_inputs([[tok[t + j]]], [t + j], [0],
+                                                   torch.device("cpu"))
+                out = head(ids, out, positions, md, cache)
+                torch.testing.assert_close(out[0], outs[j][0, t], atol=1e-5, rtol=1e-4)
+
+
+def test_eagle3_training_from_init_can_refresh_its_draft_vocab(tiny_lm, small_corpus, tmp_path):
+    """--refresh-draft-vocab: the head takes this run's most frequent tokens (here a larger
+    vocabulary); with a zero learning rate the rows of tokens both vocabularies hold are the
+    init head's."""
+    from specserve.train.heads import train_head
+    target, _, _ = tiny_lm
+    gen = GeneratedData(num_generated=1, generated_len=8)
+
+    def run(work: str, out: str, lr: float, vocab: int, **kw) -> dict[str, torch.Tensor]:
+        cfg = TrainConfig(work_dir=str(tmp_path / work), steps=3, batch_size=2, seq_len=32,
+                          lr=lr, warmup=1, bf16=False, device="cpu")
+        train_head("eagle3", cfg, target, tmp_path / out, k=2, gen=gen, corpus=small_corpus,
+                   draft_vocab=vocab, **kw)
+        return load_file(str(tmp_path / out / "model.safetensors"))
+
+    first = run("w1", "first", 3e-3, 100)
+    again = run("w2", "again", 0.0, 150, init=tmp_path / "first", refresh_vocab=True)
+    old = (torch.arange(100) + first["d2t"]).tolist()
+    new = (torch.arange(150) + again["d2t"]).tolist()
+    assert set(old) < set(new) and len(set(new)) == 150
+    for j, t in enumerate(new):
+        if t in old:
+            assert torch.equal(again["lm_head.weight"][j], first["lm_head.weight"][old.index(t)])
+    assert torch.equal(again["fc.weight"], first["fc.weight"])
+    with pytest.raises(ValueError, match="applies to heads with one \\(eagle3\\)"):
+        cfg = TrainConfig(work_dir=str(tmp_path / "w3"), steps=1, batch_size=2, seq_len=32,
+                          bf16=False, device="cpu")
+        train_head("medusa", cfg, target, tmp_path / "x", k=2, gen=gen, corpus=small_corpus,
+                   init=tmp_path / "first", refresh_vocab=True)
+
+
+def test_heads_trained_together_share_one_target_pass(tiny_lm, small_corpus, tmp_path):
+    """The joint loss is the sum of each head's own loss on the batch; a short joint run lowers
+    every head's loss and writes each head in its format, and the heads speculate losslessly."""
+    from specserve.models.loader import load_model
+    from specserve.train.heads import (
+        build_head,
+        head_loss,
+        joint_head_loss,
+        train_heads,
+    )
+    target, _, _ = tiny_lm
+    model = load_model(target, torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    heads = torch.nn.ModuleDict({m: build_head(m, model, 3) for m in ("medusa", "eagle", "mtp")})
+    xy = torch.randint(0, 300, (2, 33))
+    joint, values = joint_head_loss(heads, model, 3)(xy)
+    alone = [head_loss(m, h, model, 3)(xy)[0] for m, h in heads.items()]
+    torch.testing.assert_close(joint, sum(alone))
+    weighted = [head_loss(m, h, model, 3, top1_weight=1.0)(xy)[0] for m, h in heads.items()]
+    torch.testing.assert_close(joint_head_loss(heads, model, 3, 1.0)(xy)[0], sum(weighted))
+    assert all(w > a for w, a in zip(weighted, alone))
+    assert {"medusa_loss", "eagle_feature_l1", "mtp_kl"} <= values.keys()
+
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=25, batch_size=4, seq_len=64, lr=3e-3,
+                      warmup=2, eval_every=25, bf16=False, device="cpu")
+    outs = {"medusa": tmp_path / "tiny-medusa", "mlp_speculator": tmp_path / "tiny-mlp"}
+    results = train_heads(outs, cfg, target, k=3, gen=GeneratedData(num_generated=2,
+                          generated_len=16), corpus=small_corpus)
+    log = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
+    for key in ("medusa_loss", "mlp_speculator_loss"):
+        assert sum(r[key] for r in log[-3:]) < sum(r[key] for r in log[:3])
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = LLM(str(target), device="cpu").generate("def f(x):", sp, use_tqdm=False)
+    for method, out in outs.items():
+        assert 1.0 <= results[method]["tau"] <= 4.0
+        got = LLM(str(target), device="cpu", speculative_config={
+            "method": method, "model": str(out), "num_speculative_tokens": 3}).generate(
+            "def f(x):", sp, use_tqdm=False)
+        assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="train it alone"):
+        train_heads({"eagle3": tmp_path / "a", "eagle": tmp_path / "b"}, cfg, target)

@@ -1,0 +1,69 @@
+"""The bundled zoo: it loads, speculates losslessly, is listed in MANIFEST; the build recipe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specserve import LLM, SamplingParams
+from tests.train.conftest import REPO
+
+
+@pytest.mark.parametrize("name", ["code-target", "code-draft"])
+def test_bundled_models_load_and_generate(name):
+    path = REPO / "models" / name
+    assert (path / "config.json").is_file(), f"bundled model {path} is missing"
+    llm = LLM(str(path), device="cpu")
+    out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=16),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 1 and out.text.strip()
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "mlp_speculator", "mtp"])
+def test_bundled_heads_speculate_losslessly(method):
+    """Every bundled head loads for the bundled target, drafts, and keeps greedy output."""
+    from specserve.bench.methods import spec_config
+    model, spec = spec_config(method, 4, str(REPO / "models" / "code-target"), "")
+    assert (Path(spec.get("model", model)) / "config.json").is_file(), f"{method} head missing"
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = "def fibonacci(n):\n    "
+    ref = LLM(str(REPO / "models" / "code-target"), device="cpu").generate(prompt, sp,
+                                                                          use_tqdm=False)
+    llm = LLM(model, device="cpu", speculative_config=spec)
+    got = llm.generate(prompt, sp, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsys):
+    """`zoo build` rerun after a head stage was passed: the passed stage reports 'skipped' and the
+    build goes on to the next stage and the next head group (the training calls are stubbed)."""
+    from specserve.train import zoo
+    monkeypatch.setattr(zoo, "train_lm", lambda *a, **k: 1.0)
+    monkeypatch.setattr(zoo, "train_unlikelihood", lambda *a, **k: 1.0)
+    monkeypatch.setattr(zoo, "train_draft", lambda *a, **k: 1.0)
+    calls, refreshed = [], []
+
+    def heads(outs, cfg, *a, **k):
+        calls.append(cfg.steps)
+        refreshed.append((k.get("refresh_vocab", False), cfg.lr, cfg.seed, cfg.top1_weight))
+        first = cfg.steps == min(s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st)
+        return {m: {"skipped": "past"} if first else {"tau": 2.0} for m in outs}
+
+    monkeypatch.setattr(zoo, "train_heads", heads)
+    zoo.build_zoo(str(tmp_path / "models"), str(tmp_path / "work"))
+    assert calls == ([s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st]
+                     + [s for s, _ in zoo.RETARGET_HEADS.values()]
+                     + [s.steps for s in zoo.RETARGET_EAGLE3_MORE])
+    assert refreshed[-len(zoo.RETARGET_EAGLE3_MORE):] == [
+        (s.refresh_vocab, s.lr, s.seed, s.top1_weight) for s in zoo.RETARGET_EAGLE3_MORE]
+    out = capsys.readouterr().out
+    assert "past" in out and "tau 2.00 at K=4" in out
+
+
+def test_the_manifest_lists_every_bundled_file_as_it_is():
+    """models/MANIFEST is current: a weight changed without a zoo release (or a file added
+    without its line) fails here; `specserve zoo manifest` regenerates it."""
+    from specserve.train.zoo import manifest
+    assert (REPO / "models" / "MANIFEST").read_text() == manifest(REPO / "models")
