@@ -81,6 +81,8 @@ def test_greedy_equality_mixed_batch(method, llama_dir, draft_dir):
         assert g.outputs[0].finish_reason == r.outputs[0].finish_reason
     assert len(got[4].outputs[0].token_ids) == 4 and got[4].outputs[0].finish_reason == "length"
     assert got[1].outputs[0].finish_reason == "stop"
+    m = spec.get_metrics()          # the speculative run did verify drafts, and accepted some
+    assert m["spec_decode_num_drafts"] > 10 and m["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_draft_equal_to_target_accepts_everything(llama_dir):

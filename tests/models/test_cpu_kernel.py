@@ -176,14 +176,20 @@ def test_the_one_call_forward_equals_the_layer_by_layer_kernel_path(hf_model):
 def test_eagle3_features_and_hidden_match_the_pytorch_path(llama_dir):
     ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(2)).tolist()
     outs = []
+    calls = []
     for kernel in (False, True):
         model, cache = _stepper(llama_dir)
         if not kernel:
             model.cpu_forward = None
             for layer in model.layers:
                 layer.cpu_layer = None
+        else:                                   # count the one-call kernel steps
+            forward = model.cpu_forward
+            model.cpu_forward = lambda *a, f=forward: calls.append(1) or f(*a)
+            model.cpu_forward.lib = forward.lib
         _step(model, cache, [ids[:10]], [0], [3])
         outs.append(_step(model, cache, [ids[10:]], [10], [3], aux=(0, 1)))
+    assert len(calls) == 2                      # both steps of the kernel run took the kernel
     (h_ref, aux_ref), (h, aux) = outs
     assert aux.shape == aux_ref.shape == (6, 2 * model.args.hidden_size)
     torch.testing.assert_close(h, h_ref, atol=1e-5, rtol=1e-5)
