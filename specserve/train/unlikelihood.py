@@ -36,7 +36,8 @@ class UnlikelihoodConfig:
     rollout_len: int = field(default=96, metadata={
         "help": "unlikelihood: greedy tokens generated per window each step"})
     # 8, not 4: 4-gram repeats include the short ones code is made of (indentation, `self.`),
-    # and penalising those flattened the bundled target's distribution (RESULTS run 15).
+    # and penalising those flattened the target's distribution until drafters could not
+    # predict it.
     ngram: int = field(default=8, metadata={
         "help": "unlikelihood: a token is a repeat when it is part of an n-gram seen earlier "
                 "in the same continuation"})

@@ -38,9 +38,9 @@ DRAFT_SHAPE = ModelShape(hidden_size=192, num_layers=2, num_heads=3, num_kv_head
 TARGET_STAGES = [2600, 5200]      # val bits/byte 1.303 -> 1.115
 # Two unlikelihood stages, (config, steps), each fine-tuning the previous model. 8-gram repeats
 # (loops), not 4-grams: 4-gram unlikelihood also punished the short repeats code is made of and
-# left the distribution flat (RESULTS run 15). The first: 1.115 -> 1.178 bits/byte, greedy
-# distinct 4-grams 0.34 -> 0.64 on average but 2 of the 8 evaluation completions below 0.5. The
-# second rolls out 128 tokens, the evaluation's length, where those loops start late (run 20).
+# left the distribution flat. The first: 1.115 -> 1.178 bits/byte, greedy distinct 4-grams 0.34
+# -> 0.64 on average but 2 of the 8 evaluation completions below 0.5. The second rolls out 128
+# tokens, the evaluation's length, where those loops start late.
 TARGET_UL: list[tuple[UnlikelihoodConfig, int]] = [
     (UnlikelihoodConfig(ngram=8), 100), (UnlikelihoodConfig(ngram=8, rollout_len=128), 150)]
 
@@ -99,7 +99,7 @@ def head_config(work: Path, methods: tuple[str, ...], steps: int, **kw) -> Train
 # Fine-tuning the stage-1 draft and heads for the final target: (steps, generated text), at
 # half their first learning rate, starting from their weights. Their work directories are
 # `<work>/retarget/...`. On the final target (`bench latency`, completion prompts, K=4) the
-# draft's tau went from 2.22 (RESULTS run 20) to 2.48 (run 28) and EAGLE-3's from 2.17 to 2.48.
+# draft's tau went from 2.22 to 2.48 and EAGLE-3's from 2.17 to 2.48.
 RETARGET_DRAFT = (800, GREEDY)
 RETARGET_HEADS: dict[tuple[str, ...], tuple[int, GeneratedData]] = {
     ("eagle3",): (1000, GREEDY),
@@ -118,18 +118,18 @@ class EagleStage(NamedTuple):
 
 # Then EAGLE-3 seven times more, each stage from the previous head, at the same learning rate (the
 # last two lower), on more of the target's greedy continuations (every training file's opening,
-# then later lines of them): half its windows from 4096 of them, tau at K=4 (`bench latency`,
-# RESULTS run 36) 2.48 -> 2.54 on completion prompts, 2.58 -> 2.82 on editing prompts; then 60%
-# from 8192, tau (run 39) 2.54 -> 2.68 and 2.82 -> 2.95; then the same again, tau (run 42,
-# bfloat16) 2.68 -> 2.73 and 2.95 -> 3.06; then 60% from all 10470 openings (16 per file at most),
-# with the 2048 draft tokens chosen again from that text (in a throwaway count the first
-# vocabulary, from corpus text, held 95.4% of the target's greedy tokens, the new one 97.7%), tau
-# (run 43, bfloat16) 2.73 -> 2.79 and 3.06 -> 3.19; then 1500 steps on the same text with the
-# training-time test attending as the drafting chain does (`unrolled_drafts`; the stages before
-# trained passes 2-4 against the previous pass's outputs at every position), tau (run 48, float32)
-# 2.79 -> 2.85 and 3.23 -> 3.37, the 3rd and 4th drafts gaining most; then 300 and 500 steps at
-# 2e-4 on other windows of it (seeds 1 and 2) with a cross-entropy to the target's most likely
-# token added to the KL (`top1_weight`), tau (run 51) 2.85 -> 2.97 and 3.37 -> 3.58.
+# then later lines of them): half its windows from 4096 of them, tau at K=4 (`bench latency`)
+# 2.48 -> 2.54 on completion prompts, 2.58 -> 2.82 on editing prompts; then 60% from 8192, tau
+# 2.54 -> 2.68 and 2.82 -> 2.95; then the same again, tau (bfloat16) 2.68 -> 2.73 and 2.95 ->
+# 3.06; then 60% from all 10470 openings (16 per file at most), with the 2048 draft tokens
+# chosen again from that text (in a throwaway count the first vocabulary, from corpus text, held
+# 95.4% of the target's greedy tokens, the new one 97.7%), tau (bfloat16) 2.73 -> 2.79 and 3.06
+# -> 3.19; then 1500 steps on the same text with the training-time test attending as the
+# drafting chain does (`unrolled_drafts`; the stages before trained passes 2-4 against the
+# previous pass's outputs at every position), tau (float32) 2.79 -> 2.85 and 3.23 -> 3.37, the
+# 3rd and 4th drafts gaining most; then 300 and 500 steps at 2e-4 on other windows of it (seeds
+# 1 and 2) with a cross-entropy to the target's most likely token added to the KL
+# (`top1_weight`), tau 2.85 -> 2.97 and 3.37 -> 3.58.
 # In throwaway A/Bs of the first of them (one round of `bench latency`), the same 300 steps without
 # the cross-entropy reached 2.90 / 3.49 and with it 2.91 / 3.63; a third stage (500 steps, seed 3)
 # added nothing (2.96 / 3.55), nor did 300 steps with top1_weight 3 (2.92 / 3.58).

@@ -3,7 +3,7 @@
 
 Eager PyTorch spends a batch-1 decode step of a small model mostly outside the weights: some
 twenty kernel launches per layer, and one-row matrix products that read the weights at well
-under the memory bandwidth (RESULTS runs 17 and 19). `CpuLayer` runs a decoder layer's step of
+under the memory bandwidth. `CpuLayer` runs a decoder layer's step of
 up to `max_rows(lib)` rows (causal runs, or draft-tree nodes under the step's mask) in one C
 call, `LlamaForward` a whole model's step, and `linear_rows` one matrix (lm_head, heads);
 `HeadChain` and `LlamaChain` run all the greedy passes of a drafter's step (an EAGLE, EAGLE-3
