@@ -45,6 +45,29 @@ class _Shape(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
+def _args(name: str, fields: list[tuple[str, object]]) -> type[ctypes.Structure]:
+    """A ctypes mirror of one of kernel.c's argument structs (its size is checked at load)."""
+    return type(name, (ctypes.Structure,), {"_fields_": fields})
+
+
+_F, _C = ctypes.c_float, ctypes.c_int
+_LayerArgs = _args("LayerArgs", [
+    ("s", ctypes.POINTER(_Shape)), ("T", _I64), ("x", _P), ("attn_in", _P), ("slots", _P),
+    ("positions", _P), ("w", _P), ("k_cache", _P), ("v_cache", _P), ("cos", _P), ("sin", _P),
+    ("mask", _P), ("mask_stride", _I64), ("nthreads", _C)])
+_LlamaChainArgs = _args("LlamaChainArgs", [
+    ("s", ctypes.POINTER(_Shape)), ("L", _I64), ("B", _I64), ("n", _I64), ("slots", _P),
+    ("pos0", _P), ("budget", _P), ("threshold", _F), ("embed", _P), ("final_norm", _P),
+    ("lm_head", _P), ("lm_mode", _C), ("vocab", _I64), ("cos_sin", _P), ("w", _P),
+    ("k_cache", _P), ("v_cache", _P), ("tokens", _P), ("nthreads", _C)])
+_LlamaForwardArgs = _args("LlamaForwardArgs", [
+    ("s", ctypes.POINTER(_Shape)), ("L", _I64), ("T", _I64), ("ids", _P), ("slots", _P),
+    ("positions", _P), ("rope", _P), ("embed", _P), ("final_norm", _P), ("eps", _F),
+    ("cos_sin", _P), ("w", _P), ("k_cache", _P), ("v_cache", _P), ("mask", _P),
+    ("mask_stride", _I64), ("n_aux", _I64), ("aux_layers", _P), ("aux", _P), ("hidden", _P),
+    ("nthreads", _C)])
+
+
 class _HeadChainArgs(ctypes.Structure):
     """kernel.c's HeadChainArgs, field by field (its size is checked at load)."""
 
@@ -108,24 +131,16 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_linear.argtypes = [_P, _I64, _P, ctypes.c_int, _P, _I64, _I64, _P, _I64,
                                      ctypes.c_int, ctypes.c_int]
     lib.specserve_linear.restype = ctypes.c_int
-    lib.specserve_layer.argtypes = [ctypes.POINTER(_Shape), _I64, _P, _P, _P, _P, _P, _P, _P,
-                                    _P, _P, _P, _I64, ctypes.c_int]
-    lib.specserve_layer.restype = ctypes.c_int
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
-    lib.specserve_head_chain.argtypes = [ctypes.POINTER(_HeadChainArgs)]
-    lib.specserve_head_chain.restype = ctypes.c_int
-    lib.specserve_head_chain_args_size.argtypes = []
-    lib.specserve_head_chain_args_size.restype = ctypes.c_size_t
-    if lib.specserve_head_chain_args_size() != ctypes.sizeof(_HeadChainArgs):
-        raise RuntimeError("specserve: kernel.c's HeadChainArgs and binding.py's differ; "
-                           "update them together")
-    lib.specserve_llama_chain.argtypes = [ctypes.POINTER(_Shape), _I64, _I64, _I64] + [_P] * 3 + [
-        ctypes.c_float] + [_P] * 3 + [ctypes.c_int, _I64, _P, _P, _P, _P, _P, ctypes.c_int]
-    lib.specserve_llama_chain.restype = ctypes.c_int
-    lib.specserve_llama_forward.argtypes = [ctypes.POINTER(_Shape), _I64, _I64] + [_P] * 6 + [
-        ctypes.c_float] + [_P] * 5 + [_I64, _I64, _P, _P, _P, ctypes.c_int]
-    lib.specserve_llama_forward.restype = ctypes.c_int
+    for name, args in (("layer", _LayerArgs), ("head_chain", _HeadChainArgs),
+                       ("llama_chain", _LlamaChainArgs), ("llama_forward", _LlamaForwardArgs)):
+        fn, size = getattr(lib, f"specserve_{name}"), getattr(lib, f"specserve_{name}_args_size")
+        fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
+        size.argtypes, size.restype = [], ctypes.c_size_t
+        if size() != ctypes.sizeof(args):
+            raise RuntimeError(f"specserve: kernel.c's argument struct of specserve_{name} and "
+                               "binding.py's differ; update them together")
     for fn in (lib.specserve_block, lib.specserve_max_rows):
         fn.argtypes, fn.restype = [], ctypes.c_int
     return lib
@@ -258,14 +273,15 @@ class CpuLayer:
         if attn_in is not None:
             attn_in = attn_in.contiguous()
         mask = md.row_mask() if md.tree else None             # [T, max_kv] bool
-        rc = self.lib.specserve_layer(
-            ctypes.byref(self.shape), out.shape[0], out.data_ptr(),
-            None if attn_in is None else attn_in.data_ptr(), md.token_slots.data_ptr(),
-            md.positions.data_ptr(), self.weights, k_cache.data_ptr(), v_cache.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), None if mask is None else mask.data_ptr(),
-            0 if mask is None else mask.shape[1], torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("CpuLayer: could not allocate the step's scratch memory")
+        args = _LayerArgs(
+            s=ctypes.pointer(self.shape), T=out.shape[0], x=out.data_ptr(),
+            attn_in=None if attn_in is None else attn_in.data_ptr(),
+            slots=md.token_slots.data_ptr(), positions=md.positions.data_ptr(),
+            w=ctypes.cast(self.weights, _P), k_cache=k_cache.data_ptr(),
+            v_cache=v_cache.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+            mask=None if mask is None else mask.data_ptr(),
+            mask_stride=0 if mask is None else mask.shape[1], nthreads=torch.get_num_threads())
+        _check_rc(self.lib.specserve_layer(ctypes.byref(args)), "CpuLayer")
         return out
 
 
@@ -286,24 +302,18 @@ class _Chain:
         self.max_positions = min(cos_sin.shape[0], *(k.shape[2] for k, _ in caches))
         self.ptrs = [None if t is None else t.data_ptr() for t in tensors]
 
-    def _call(self, fn, before: tuple, slots: list[int], positions: list[int],
-              budgets: list[int], threshold: float, after: tuple,
-              tokens: torch.Tensor) -> list[list[int]]:
-        """fn(*before, slots, positions, budgets, threshold, *after, tokens, threads) -> each
-        request's drafts (budgets[b], or fewer where one fell below the threshold), from tokens
-        [B, max budget]."""
+    def _ints(self, slots: list[int], positions: list[int], budgets: list[int]
+              ) -> torch.Tensor:
+        """[3, B] slots, first positions and budgets, checked against the rotary table and
+        KV cache (a chain writes positions[b] .. positions[b] + budgets[b] - 2)."""
         self._check_end(max(p + n - 1 for p, n in zip(positions, budgets)), "draft")
-        ints = torch.tensor([slots, positions, budgets], dtype=torch.long)     # [3, B]
-        self._check_rc(fn(*before, *(row.data_ptr() for row in ints), threshold, *after,
-                          tokens.data_ptr(), torch.get_num_threads()))
-        return [t[:n] for t, n in zip(tokens.tolist(), ints[2].tolist())]   # budgets as drafted
+        return torch.tensor([slots, positions, budgets], dtype=torch.long)
 
-    def _check_rc(self, rc: int) -> None:
-        if rc == -2:
-            raise ValueError(f"{type(self).__name__}: the C side refused a position outside "
-                             "the KV cache or a draft budget above the chain's length")
-        if rc != 0:
-            raise MemoryError(f"{type(self).__name__}: could not allocate scratch memory")
+    @staticmethod
+    def _drafts(tokens: torch.Tensor, ints: torch.Tensor) -> list[list[int]]:
+        """Each request's drafts from tokens [B, max budget]: its budget as drafted (fewer
+        where one fell below the threshold)."""
+        return [t[:n] for t, n in zip(tokens.tolist(), ints[2].tolist())]
 
     def _check_end(self, end: int, what: str) -> None:
         """Refuse positions from `end` on (the C code indexes rotary rows and KV unchecked)."""
@@ -361,8 +371,7 @@ class HeadChain(_Chain):
     def _draft(self, ingest: dict, state: torch.Tensor, positions: list[int],
                slots: list[int], budgets: list[int], threshold: float) -> list[list[int]]:
         n = max(budgets)
-        self._check_end(max(p + k - 1 for p, k in zip(positions, budgets)), "draft")
-        ints = torch.tensor([slots, positions, budgets], dtype=torch.long)     # [3, B]
+        ints = self._ints(slots, positions, budgets)                          # [3, B]
         tokens = torch.empty(len(slots), n, dtype=torch.long)
         cos_sin, emb, e_n, h_n, fc, fc_b, fin_n, lm, d2t, k, v = self.ptrs
         args = _HeadChainArgs(
@@ -372,8 +381,8 @@ class HeadChain(_Chain):
             fc_bias=fc_b, final_norm=fin_n, lm_head=lm, lm_mode=self.lm_mode, vocab=self.vocab,
             d2t=d2t, cos_sin=cos_sin, w=ctypes.cast(self.layer.weights, _P), k_cache=k,
             v_cache=v, tokens=tokens.data_ptr(), nthreads=torch.get_num_threads(), **ingest)
-        self._check_rc(self.lib.specserve_head_chain(ctypes.byref(args)))
-        return [t[:b] for t, b in zip(tokens.tolist(), ints[2].tolist())]   # budgets as drafted
+        _check_rc(self.lib.specserve_head_chain(ctypes.byref(args)), type(self).__name__)
+        return self._drafts(tokens, ints)
 
 
 class _LayerArrays:
@@ -417,11 +426,16 @@ class LlamaChain(_Chain):
         tokens[:, 0] = torch.tensor(first)
         cos_sin, emb, fin_n, lm = self.ptrs[:4]
         a = self.arrays
-        return self._call(self.lib.specserve_llama_chain,
-                          (a.shapes, a.num_layers, len(slots), n), slots, positions,
-                          budgets, threshold,
-                          (emb, fin_n, lm, self.lm_mode, self.vocab, cos_sin, a.weights, a.k,
-                           a.v), tokens)
+        ints = self._ints(slots, positions, budgets)                          # [3, B]
+        args = _LlamaChainArgs(
+            s=ctypes.cast(a.shapes, ctypes.POINTER(_Shape)), L=a.num_layers, B=len(slots), n=n,
+            slots=ints[0].data_ptr(), pos0=ints[1].data_ptr(), budget=ints[2].data_ptr(),
+            threshold=threshold, embed=emb, final_norm=fin_n, lm_head=lm, lm_mode=self.lm_mode,
+            vocab=self.vocab, cos_sin=cos_sin, w=ctypes.cast(a.weights, _P),
+            k_cache=ctypes.cast(a.k, _P), v_cache=ctypes.cast(a.v, _P),
+            tokens=tokens.data_ptr(), nthreads=torch.get_num_threads())
+        _check_rc(self.lib.specserve_llama_chain(ctypes.byref(args)), type(self).__name__)
+        return self._drafts(tokens, ints)
 
 
 class LlamaForward:
@@ -471,16 +485,27 @@ class LlamaForward:
             aux_ids = self._aux_ids[aux_layers] = torch.tensor(aux_layers, dtype=torch.long)
         mask = md.row_mask() if md.tree else None                       # [T, max_kv] bool
         embed, final_norm, cos_sin = self._keep
-        rc = self.lib.specserve_llama_forward(
-            a.shapes, a.num_layers, T, ids.data_ptr(), md.token_slots.data_ptr(),
-            md.positions.data_ptr(), positions.data_ptr(), embed.data_ptr(),
-            final_norm.data_ptr(), self.eps, cos_sin.data_ptr(), a.weights, a.k, a.v,
-            None if mask is None else mask.data_ptr(), 0 if mask is None else mask.shape[1],
-            len(aux_layers), aux_ids.data_ptr(), None if aux is None else aux.data_ptr(),
-            hidden.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise MemoryError("LlamaForward: could not allocate the step's scratch memory")
+        args = _LlamaForwardArgs(
+            s=ctypes.cast(a.shapes, ctypes.POINTER(_Shape)), L=a.num_layers, T=T,
+            ids=ids.data_ptr(), slots=md.token_slots.data_ptr(),
+            positions=md.positions.data_ptr(), rope=positions.data_ptr(),
+            embed=embed.data_ptr(), final_norm=final_norm.data_ptr(), eps=self.eps,
+            cos_sin=cos_sin.data_ptr(), w=ctypes.cast(a.weights, _P),
+            k_cache=ctypes.cast(a.k, _P), v_cache=ctypes.cast(a.v, _P),
+            mask=None if mask is None else mask.data_ptr(),
+            mask_stride=0 if mask is None else mask.shape[1], n_aux=len(aux_layers),
+            aux_layers=aux_ids.data_ptr(), aux=None if aux is None else aux.data_ptr(),
+            hidden=hidden.data_ptr(), nthreads=torch.get_num_threads())
+        _check_rc(self.lib.specserve_llama_forward(ctypes.byref(args)), "LlamaForward")
         return (hidden, aux) if aux_layers else hidden
+
+
+def _check_rc(rc: int, who: str) -> None:
+    if rc == -2:
+        raise ValueError(f"{who}: the C side refused a position outside the KV cache or a draft "
+                         "budget above the chain's length")
+    if rc != 0:
+        raise MemoryError(f"{who}: could not allocate the step's scratch memory")
 
 
 def kernel_step(md, x: torch.Tensor, lib: ctypes.CDLL) -> bool:

@@ -475,7 +475,7 @@ typedef struct {
  * (draft-tree nodes), to those of them where mask[t * mask_stride + position] is nonzero.
  * k_cache, v_cache: [num_slots, num_kv_heads, max_len, head_dim]. Returns 0, or -1 when out
  * of memory. */
-int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
+static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
                     const int64_t *slots, const int64_t *positions, const void *const *w,
                     float *k_cache, float *v_cache, const float *cos, const float *sin,
                     const uint8_t *mask, int64_t mask_stride, int nthreads) {
@@ -584,6 +584,33 @@ int specserve_layer(const Shape *s, int64_t T, float *x, const float *attn_in,
     return failed ? -1 : 0;
 }
 
+/* specserve_layer's arguments by name (binding.py mirrors them). */
+typedef struct {
+    const Shape *s;
+    int64_t T;
+    float *x;
+    const float *attn_in;
+    const int64_t *slots;
+    const int64_t *positions;
+    const void *const *w;
+    float *k_cache;
+    float *v_cache;
+    const float *cos;
+    const float *sin;
+    const uint8_t *mask;
+    int64_t mask_stride;
+    int nthreads;
+} LayerArgs;
+
+size_t specserve_layer_args_size(void) { return sizeof(LayerArgs); }
+
+int specserve_layer(const LayerArgs *a) {
+    for (int64_t t = 0; t < a->T; t++)
+        if (a->positions[t] < 0 || a->positions[t] >= a->s->max_len) return -2;
+    return layer_impl(a->s, a->T, a->x, a->attn_in, a->slots, a->positions, a->w, a->k_cache,
+                      a->v_cache, a->cos, a->sin, a->mask, a->mask_stride, a->nthreads);
+}
+
 /* Index of the first largest of x[0..n-1]; a NaN counts as largest, as in torch.argmax. */
 static int64_t argmax(const float *x, int64_t n) {
     int64_t best = 0;
@@ -687,7 +714,7 @@ static int head_rows(const Shape *ls, int64_t m, const int64_t *tok, float *x,
     }
     if (fc && specserve_linear(cat, m, fc, fc_mode, fc_bias, H, 2 * H, x, H, 0, nthreads))
         return -1;
-    return specserve_layer(ls, m, x, fc ? NULL : cat, slot, pos, w, k_cache, v_cache, rot,
+    return layer_impl(ls, m, x, fc ? NULL : cat, slot, pos, w, k_cache, v_cache, rot,
                            rot + ls->head_dim, NULL, 0, nthreads);
 }
 
@@ -793,7 +820,7 @@ int specserve_head_chain(const HeadChainArgs *a) {
  * 1, 2, ... feeds token j-1 of the requests that draft a j-th at position pos0[b] + j - 1 of
  * slot slots[b] through embed and the L layers (shapes s[l], weights w[l], caches k[l], v[l])
  * and drafts token j by greedy_rows with final_norm and lm_head. */
-int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const int64_t *slots,
+static int llama_chain_impl(const Shape *s, int64_t L, int64_t B, int64_t n, const int64_t *slots,
                           const int64_t *pos0, int64_t *budget, float threshold,
                           const float *embed, const float *final_norm, const void *lm_head,
                           int lm_mode, int64_t vocab, const float *cos_sin,
@@ -818,7 +845,7 @@ int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const
         for (int64_t k = 0; k < m; k++)
             memcpy(x + k * H, embed + tokens[rows[k] * n + j - 1] * H, H * sizeof(float));
         for (int64_t l = 0; rc == 0 && l < L; l++)
-            rc = specserve_layer(&ls[l], m, x, NULL, slot, pos, w[l], k_cache[l], v_cache[l],
+            rc = layer_impl(&ls[l], m, x, NULL, slot, pos, w[l], k_cache[l], v_cache[l],
                                  rot, rot + D, NULL, 0, nthreads);
         if (rc == 0)
             rc = greedy_rows(x, m, H, final_norm, s[0].eps, lm_head, lm_mode, vocab, NULL,
@@ -832,6 +859,40 @@ int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const
     return rc;
 }
 
+/* specserve_llama_chain's arguments by name (binding.py mirrors them). */
+typedef struct {
+    const Shape *s;
+    int64_t L;
+    int64_t B;
+    int64_t n;
+    const int64_t *slots;
+    const int64_t *pos0;
+    int64_t *budget;
+    float threshold;
+    const float *embed;
+    const float *final_norm;
+    const void *lm_head;
+    int lm_mode;
+    int64_t vocab;
+    const float *cos_sin;
+    const void *const *const *w;
+    float *const *k_cache;
+    float *const *v_cache;
+    int64_t *tokens;
+    int nthreads;
+} LlamaChainArgs;
+
+size_t specserve_llama_chain_args_size(void) { return sizeof(LlamaChainArgs); }
+
+int specserve_llama_chain(const LlamaChainArgs *a) {
+    for (int64_t b = 0; b < a->B; b++)
+        if (a->pos0[b] < 0 || a->budget[b] < 0 || a->budget[b] > a->n
+            || a->pos0[b] + a->budget[b] - 1 > a->s[0].max_len) return -2;
+    return llama_chain_impl(a->s, a->L, a->B, a->n, a->slots, a->pos0, a->budget, a->threshold,
+                            a->embed, a->final_norm, a->lm_head, a->lm_mode, a->vocab, a->cos_sin,
+                            a->w, a->k_cache, a->v_cache, a->tokens, a->nthreads);
+}
+
 /* A Llama-family model's cached step of T rows in one call (a decode, verify, tree or prompt
  * step of the target, instead of a dozen PyTorch operators and a C call per layer): x =
  * embed[ids]; each of the L layers (shapes s, weights w, caches k_cache/v_cache) runs over x as
@@ -840,7 +901,7 @@ int specserve_llama_chain(const Shape *s, int64_t L, int64_t B, int64_t n, const
  * aux_layers[a] goes to columns a * H.. of aux [T, n_aux * H]; hidden [T, H] = final_norm(x)
  * (epsilon eps).
  * Each value is the one the layer-by-layer path computes. Returns 0, or -1 when out of memory. */
-int specserve_llama_forward(const Shape *s, int64_t L, int64_t T, const int64_t *ids,
+static int llama_forward_impl(const Shape *s, int64_t L, int64_t T, const int64_t *ids,
                             const int64_t *slots, const int64_t *positions, const int64_t *rope,
                             const float *embed, const float *final_norm, float eps,
                             const float *cos_sin,
@@ -862,10 +923,48 @@ int specserve_llama_forward(const Shape *s, int64_t L, int64_t T, const int64_t 
                     memcpy(aux + (t * n_aux + a) * H, x + t * H, H * sizeof(float));
         Shape ls = s[l];
         ls.rot_stride = 2 * D;
-        rc = specserve_layer(&ls, T, x, NULL, slots, positions, w[l], k_cache[l], v_cache[l],
+        rc = layer_impl(&ls, T, x, NULL, slots, positions, w[l], k_cache[l], v_cache[l],
                              rot, rot + D, mask, mask_stride, nthreads);
     }
     if (rc == 0) rms_norm(x, final_norm, eps, T, H, H, H, hidden);
     free(x); free(rot);
     return rc;
+}
+
+/* specserve_llama_forward's arguments by name (binding.py mirrors them). */
+typedef struct {
+    const Shape *s;
+    int64_t L;
+    int64_t T;
+    const int64_t *ids;
+    const int64_t *slots;
+    const int64_t *positions;
+    const int64_t *rope;
+    const float *embed;
+    const float *final_norm;
+    float eps;
+    const float *cos_sin;
+    const void *const *const *w;
+    float *const *k_cache;
+    float *const *v_cache;
+    const uint8_t *mask;
+    int64_t mask_stride;
+    int64_t n_aux;
+    const int64_t *aux_layers;
+    float *aux;
+    float *hidden;
+    int nthreads;
+} LlamaForwardArgs;
+
+size_t specserve_llama_forward_args_size(void) { return sizeof(LlamaForwardArgs); }
+
+int specserve_llama_forward(const LlamaForwardArgs *a) {
+    for (int64_t t = 0; t < a->T; t++)
+        if (a->positions[t] < 0 || a->positions[t] >= a->s[0].max_len) return -2;
+    for (int64_t i = 0; i < a->n_aux; i++)
+        if (a->aux_layers[i] < 0 || a->aux_layers[i] >= a->L) return -2;
+    return llama_forward_impl(a->s, a->L, a->T, a->ids, a->slots, a->positions, a->rope, a->embed,
+                              a->final_norm, a->eps, a->cos_sin, a->w, a->k_cache, a->v_cache,
+                              a->mask, a->mask_stride, a->n_aux, a->aux_layers, a->aux, a->hidden,
+                              a->nthreads);
 }
