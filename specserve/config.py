@@ -185,14 +185,9 @@ class SpeculativeConfig:
         # by the method registry: specserve.methods.resolve.
         if self.speculative_token_tree is not None:
             self._check_tree()
-        if self.num_speculative_tokens is None:
-            raise ValueError("speculative_config needs 'num_speculative_tokens' (an int > 0)")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be an int > 0, got "
-                             f"{self.num_speculative_tokens!r}")
-        if self.num_speculative_tokens > 128:
-            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} is above "
-                             "the limit of 128")
+        # None: the method's checkpoint may give it (methods.resolve), else it is required
+        if self.num_speculative_tokens is not None:
+            self._check_k()
         if self.suffix_decoding_max_tree_depth < 1:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 1, got "
                              f"{self.suffix_decoding_max_tree_depth}")
@@ -241,6 +236,14 @@ class SpeculativeConfig:
                              f"or null, got {n!r}")
         if not isinstance(self.adaptive_k, bool):
             raise ValueError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
+
+    def _check_k(self) -> None:
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be an int > 0, got "
+                             f"{self.num_speculative_tokens!r}")
+        if self.num_speculative_tokens > 128:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} is above "
+                             "the limit of 128")
 
     def _check_tree(self) -> None:
         tree = TokenTree.parse(self.speculative_token_tree)

@@ -28,7 +28,7 @@ def build_engine_config(model: str, speculative_config: dict | None = None,
         raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known)}")
     mc = ModelConfig(model=model, **{k: v for k, v in kwargs.items() if k in _fields(ModelConfig)})
     sc = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in _fields(SchedulerConfig)})
-    spec = (resolve_speculative_config(speculative_config)
+    spec = (resolve_speculative_config(speculative_config, model)
             if speculative_config is not None else None)
     return EngineConfig(mc, sc, spec, kwargs.get("log_stats_interval_s", 0.0))
 

@@ -68,9 +68,10 @@ def detect_method(model: str | None) -> str:
     return draft_model.SPEC.name
 
 
-def resolve(config: SpeculativeConfig) -> SpeculativeConfig:
+def resolve(config: SpeculativeConfig, target: str | None = None) -> SpeculativeConfig:
     """Settle and check what depends on the method (in place; calling it again is a no-op):
-    the method detected when omitted, its required model, keys that belong to other methods."""
+    the method detected when omitted, its required model, K from its checkpoint when omitted,
+    keys that belong to other methods. `target`: the target's directory (MTP's checkpoint)."""
     if config.method is None:
         config.method = detect_method(config.model)
     spec = get(config.method)
@@ -78,6 +79,14 @@ def resolve(config: SpeculativeConfig) -> SpeculativeConfig:
     if spec.needs_model and not config.model:
         raise ValueError(f"speculative_config method {spec.name!r} needs 'model': the path of "
                          "the draft model or head directory")
+    if config.num_speculative_tokens is None:
+        checkpoint = config.model or (target if spec.model_is_target else None)
+        if spec.default_k is not None and checkpoint is not None:
+            config.num_speculative_tokens = spec.default_k(checkpoint)
+        if config.num_speculative_tokens is None:
+            raise ValueError("speculative_config needs 'num_speculative_tokens' (an int > 0)"
+                             + (f"; {checkpoint} does not give one" if spec.default_k else ""))
+        config._check_k()
     defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
     for other in REGISTRY.values():
         if other is spec:
@@ -103,9 +112,10 @@ def _capability(used: bool, spec: MethodSpec, flag: str, key: str) -> None:
         raise ValueError(f"{key} applies to {able}, not {spec.name!r}")
 
 
-def resolve_speculative_config(data: dict | SpeculativeConfig) -> SpeculativeConfig:
+def resolve_speculative_config(data: dict | SpeculativeConfig,
+                               target: str | None = None) -> SpeculativeConfig:
     """`speculative_config` as a user gives it -> a checked SpeculativeConfig."""
-    return resolve(SpeculativeConfig.from_dict(data))
+    return resolve(SpeculativeConfig.from_dict(data), target)
 
 
 def load_head(method: str, path: str, target: nn.Module, device: torch.device,
@@ -115,7 +125,7 @@ def load_head(method: str, path: str, target: nn.Module, device: torch.device,
 
 
 def build_proposer(config: SpeculativeConfig, ctx: DraftContext) -> Proposer:
-    spec = get(resolve(config).method)
+    spec = get(resolve(config, ctx.target_path).method)
     drafter = spec.build(config, ctx)
     if config.hybrid_prompt_lookup is None:
         return drafter

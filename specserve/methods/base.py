@@ -165,6 +165,8 @@ class MethodSpec:
     drafts_trees: bool = False                # takes speculative_token_tree
     steps_drafts: bool = False                # drafts token by token: draft_confidence_threshold
     keys: tuple[str, ...] = ()                # speculative_config keys only this method takes
+    # the K its checkpoint (a directory) gives when num_speculative_tokens is left out
+    default_k: Callable[[str], int | None] | None = None
     # fills in and checks this method's keys (in place)
     configure: Callable[[SpeculativeConfig], None] | None = None
     # Heads (methods with a trainable module on the target): a fresh head for training

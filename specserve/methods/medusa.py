@@ -152,7 +152,13 @@ class MedusaProposer(ProposerBase):
         return out
 
 
+def default_k(path: str) -> int | None:
+    """One draft per head."""
+    cfg = load_hf_config(path)
+    return cfg.get("num_heads") or cfg.get("medusa_num_heads")
+
+
 SPEC = MethodSpec(
     name="medusa", build=MedusaProposer, summary="Medusa heads on the target's last hidden state",
     detect=("medusa",), needs_model=True, reads_hidden_states=True, drafts_trees=True,
-    new_head=new_head, read=read, write=write, loss=loss)
+    default_k=default_k, new_head=new_head, read=read, write=write, loss=loss)

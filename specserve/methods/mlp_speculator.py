@@ -136,4 +136,5 @@ SPEC = MethodSpec(
     name="mlp_speculator", build=MLPSpeculatorProposer,
     summary="IBM MLP speculator on the target's last hidden state",
     detect=("mlp_speculator", "mlpspeculator"), needs_model=True, reads_hidden_states=True,
+    default_k=lambda path: load_hf_config(path).get("n_predict"),   # one draft per stage
     new_head=new_head, read=read, write=write, loss=loss)

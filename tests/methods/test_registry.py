@@ -1,0 +1,69 @@
+"""The method registry: one record per method, K from a checkpoint, and a method added by one
+registry entry runs end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specserve import LLM, SamplingParams, TokensPrompt, methods
+from specserve.methods.base import MethodSpec, Proposal, ProposerBase
+
+ZOO = Path(__file__).resolve().parents[2] / "models"
+
+
+def test_every_method_has_one_complete_record():
+    names = [n for s in methods.REGISTRY.values() for n in (s.name, *s.aliases)]
+    assert len(names) == len(set(names))
+    for spec in methods.REGISTRY.values():
+        head = (spec.new_head, spec.read, spec.write, spec.loss)
+        assert all(head) or not any(head), spec.name          # a head has all four
+        if spec.new_head is not None:
+            assert spec.reads_hidden_states
+    assert set(methods.head_methods()) == {"eagle", "eagle3", "medusa", "mlp_speculator", "mtp"}
+    with pytest.raises(ValueError, match="method 'nope' is not known; use one of ngram"):
+        methods.get("nope")
+
+
+@pytest.mark.parametrize("spec, target, k", [
+    ({"model": str(ZOO / "code-target-medusa")}, None, 4),              # num_heads
+    ({"model": str(ZOO / "code-target-mlp-speculator")}, None, 4),      # n_predict
+    ({"method": "mtp"}, str(ZOO / "code-target-mtp"), 1),               # MTP layers
+    ({"model": str(ZOO / "code-target-medusa"), "num_speculative_tokens": 2}, None, 2),
+])
+def test_k_comes_from_the_checkpoint_when_left_out(spec, target, k):
+    assert methods.resolve_speculative_config(spec, target).num_speculative_tokens == k
+
+
+def test_a_method_without_k_in_its_checkpoint_needs_it():
+    with pytest.raises(ValueError, match="needs 'num_speculative_tokens'"):
+        methods.resolve_speculative_config({"model": str(ZOO / "code-target-eagle3")})
+    with pytest.raises(ValueError, match="needs 'num_speculative_tokens'"):
+        methods.resolve_speculative_config({"method": "ngram"})
+
+
+class Repeat(ProposerBase):
+    """Drafts the last token again, K times: a method in a dozen lines."""
+
+    def __init__(self, config, ctx) -> None:
+        assert ctx.vocab_size == 96 and ctx.num_target_layers == 2
+        self.calls = 0
+
+    def propose(self, batch):
+        self.calls += 1
+        return [Proposal([r.all_token_ids[-1]] * k)
+                for r, k in zip(batch.requests, batch.max_num_tokens)]
+
+
+def test_a_method_added_by_one_registry_entry_runs_losslessly(llama_dir, monkeypatch):
+    monkeypatch.setitem(methods.REGISTRY, "repeat",
+                        MethodSpec(name="repeat", build=Repeat, summary="the last token again"))
+    prompts = [TokensPrompt(prompt_token_ids=[5, 5, 5, 7, 5, 5])]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = LLM(str(llama_dir), device="cpu").generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(llama_dir), device="cpu",
+              speculative_config={"method": "repeat", "num_speculative_tokens": 3})
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert llm.engine.proposer.calls > 0 and llm.get_metrics()["spec_decode_num_drafts"] > 0
