@@ -16,9 +16,15 @@ from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.kv_cache import KVCache
-from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
+from specserve.methods import (
+    DraftContext,
+    Proposal,
+    ProposeBatch,
+    Proposer,
+    build_proposer,
+)
 from specserve.metrics import SpecDecodingStats
-from specserve.models.layers import backend_name, use_decode_linears
+from specserve.models.backend import Backend
 from specserve.models.loader import load_hf_config, load_model, read_json
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
@@ -65,8 +71,9 @@ class LLMEngine:
                              f"context ({model_len}, max_position_embeddings in config.json)")
         self.max_model_len = mc.max_model_len or model_len
         self.tokenizer = Tokenizer(mc.model) if (Path(mc.model) / "tokenizer.json").is_file() else None
-        self.model = load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len)
-        use_decode_linears(self.model, cpu_kernel=mc.cpu_kernel)
+        self.backend = Backend(self.device, self.dtype, mc.cpu_kernel)
+        self.model = self.backend.prepare(
+            load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len))
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = _eos_ids(mc.model, hf, self.tokenizer)
         sc = config.scheduler_config
@@ -81,14 +88,14 @@ class LLMEngine:
             self.proposer = build_proposer(self.spec, DraftContext(
                 target=self.model, target_path=mc.model, device=self.device, dtype=self.dtype,
                 num_slots=sc.max_num_seqs, max_model_len=self.max_model_len,
-                vocab_size=self.vocab_size, cpu_kernel=mc.cpu_kernel))
+                vocab_size=self.vocab_size, backend=self.backend))
             if self.proposer.max_model_len is not None:
                 self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
             caches += self.proposer.caches
             self.runner.aux_layers = self.proposer.aux_hidden_layers
         self.scheduler = Scheduler(sc, caches)
-        parts = [f"target {backend_name(self.model)}"] + [
-            f"{role} {backend_name(m)}"
+        parts = [f"target {Backend.describe(self.model)}"] + [
+            f"{role} {Backend.describe(m)}"
             for role, m in (self.proposer.modules if self.proposer else {}).items()]
         logger.info("backend: %s; %s, %d threads", "; ".join(parts), mc.dtype,
                     torch.get_num_threads())

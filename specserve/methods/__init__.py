@@ -11,7 +11,16 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.methods import draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix
+from specserve.methods import (
+    draft_model,
+    eagle,
+    eagle3,
+    medusa,
+    mlp_speculator,
+    mtp,
+    ngram,
+    suffix,
+)
 from specserve.methods.base import (
     DraftContext,
     MethodSpec,
@@ -20,8 +29,8 @@ from specserve.methods.base import (
     Proposer,
     RunnerOutput,
 )
-from specserve.methods.checkpoints import ready
 from specserve.methods.hybrid import HybridProposer
+from specserve.models.backend import Backend
 
 __all__ = ["REGISTRY", "DraftContext", "MethodSpec", "Proposal", "ProposeBatch", "Proposer",
            "RunnerOutput", "build_proposer", "detect_method", "get", "head_methods", "load_head", "resolve",
@@ -121,7 +130,7 @@ def resolve_speculative_config(data: dict | SpeculativeConfig,
 def load_head(method: str, path: str, target: nn.Module, device: torch.device,
               dtype: torch.dtype, cpu_kernel: bool = True) -> nn.Module:
     """A method's head read from its checkpoint, ready for inference on `device` in `dtype`."""
-    return ready(get(method).read(path, target), device, dtype, cpu_kernel)
+    return Backend(device, dtype, cpu_kernel).prepare(get(method).read(path, target))
 
 
 def build_proposer(config: SpeculativeConfig, ctx: DraftContext) -> Proposer:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specserve.kv_cache import KVCache
+from specserve.models.backend import Backend
 from specserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ class DraftContext:
     num_slots: int                  # KV slots (most requests running at once)
     max_model_len: int              # the target's context length
     vocab_size: int
-    cpu_kernel: bool                # whether drafters may run in the compiled CPU kernel
+    backend: Backend                # the target's: drafters prepare their modules with it
 
     @property
     def num_target_layers(self) -> int:

@@ -10,7 +10,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from specserve.models.layers import use_decode_linears
 from specserve.models.llama import LlamaArgs
 
 
@@ -104,6 +103,4 @@ def write_head(out: Path, cfg: dict, tensors: dict[str, torch.Tensor], dtype: to
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
-def ready(head: nn.Module, device: torch.device, dtype: torch.dtype, cpu_kernel: bool) -> nn.Module:
-    """A head read in float32 on the CPU, moved to the engine's device and dtype for inference."""
-    return use_decode_linears(head.to(device=device, dtype=dtype).eval(), cpu_kernel)
+

@@ -15,9 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 from specserve.kernels.cpu import max_rows
-from specserve.models.layers import use_decode_linears
+from specserve.methods.base import (
+    DraftContext,
+    MethodSpec,
+    Proposal,
+    ProposeBatch,
+    ProposerBase,
+)
 from specserve.models.loader import load_hf_config, load_model
 from specserve.models.metadata import ragged_inputs
 from specserve.sampling.sampler import greedy_ids, sample_from
@@ -35,8 +40,8 @@ class DraftModelProposer(ProposerBase):
         # the engine caps its context at the draft's (the draft must see every token)
         self.max_model_len = limit = min(draft_cfg.get("max_position_embeddings", 2048),
                                          ctx.max_model_len)
-        self.model = load_model(config.model, ctx.dtype, ctx.device, max_len=limit)
-        use_decode_linears(self.model, cpu_kernel=ctx.cpu_kernel)
+        self.model = ctx.backend.prepare(load_model(config.model, ctx.dtype, ctx.device,
+                                                    max_len=limit))
         if self.model.args.vocab_size != ctx.vocab_size:
             raise ValueError(
                 f"draft model {config.model} has vocab_size {self.model.args.vocab_size} but the "

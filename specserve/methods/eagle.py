@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import SpeculativeConfig
+from specserve.kernels.cpu import HeadChain
 from specserve.methods.base import DraftContext, MethodSpec
 from specserve.methods.checkpoints import (
     assign_weights,
@@ -22,7 +23,6 @@ from specserve.methods.checkpoints import (
     write_head,
 )
 from specserve.methods.head_proposer import HeadProposer
-from specserve.kernels.cpu import HeadChain
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import AttentionMetadata
 from specserve.models.llama import DecoderLayer, LlamaArgs

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
+from specserve.kernels.cpu import HeadChain, kernel_step
 from specserve.methods.base import DraftContext, MethodSpec
 from specserve.methods.checkpoints import (
     assign_weights,
@@ -24,7 +25,6 @@ from specserve.methods.checkpoints import (
     write_head,
 )
 from specserve.methods.head_proposer import HeadProposer
-from specserve.kernels.cpu import HeadChain, kernel_step
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import MLP, Attention, RMSNorm
 from specserve.models.llama import LlamaArgs

@@ -22,9 +22,8 @@ import itertools
 import torch
 
 from specserve.config import SpeculativeConfig
-from specserve.methods.base import DraftContext, Proposal, ProposeBatch, ProposerBase
-from specserve.methods.checkpoints import ready
 from specserve.kernels.cpu import max_rows
+from specserve.methods.base import DraftContext, Proposal, ProposeBatch, ProposerBase
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import Rotary
 from specserve.models.metadata import build_tree_metadata, ragged_inputs
@@ -38,7 +37,7 @@ class HeadProposer(ProposerBase):
     MAX_PENDING = 256
 
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext, head: StatefulHead) -> None:
-        self.head = ready(head, ctx.device, ctx.dtype, ctx.cpu_kernel)
+        self.head = ctx.backend.prepare(head)
         a = self.head.args
         max_len = ctx.max_model_len + config.num_speculative_tokens + 1
         self.head.rotary = Rotary(a.head_dim, max_len, a.rope_theta, a.rope_scaling).to(

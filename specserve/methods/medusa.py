@@ -12,8 +12,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
-from specserve.methods.checkpoints import assign_weights, check_target, ready, write_head
+from specserve.methods.base import (
+    DraftContext,
+    MethodSpec,
+    Proposal,
+    ProposeBatch,
+    ProposerBase,
+)
+from specserve.methods.checkpoints import (
+    assign_weights,
+    check_target,
+    write_head,
+)
 from specserve.methods.heads_common import check_k, last_hidden_rows
 from specserve.models.loader import load_hf_config, read_state_dict
 from specserve.token_tree import node_depths
@@ -122,7 +132,7 @@ def loss(head: MedusaHeads, x, pos, h, aux, logp, k: int, distill):
 
 class MedusaProposer(ProposerBase):
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext) -> None:
-        self.heads = ready(read(config.model, ctx.target), ctx.device, ctx.dtype, ctx.cpu_kernel)
+        self.heads = ctx.backend.prepare(read(config.model, ctx.target))
         self.modules = {"heads": self.heads}
         self.tree = config.token_tree()             # None: draft a chain
         if self.tree is None:

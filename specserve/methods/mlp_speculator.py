@@ -11,8 +11,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
-from specserve.methods.checkpoints import assign_weights, check_target, ready, write_head
+from specserve.methods.base import (
+    DraftContext,
+    MethodSpec,
+    Proposal,
+    ProposeBatch,
+    ProposerBase,
+)
+from specserve.methods.checkpoints import (
+    assign_weights,
+    check_target,
+    write_head,
+)
 from specserve.methods.heads_common import check_k, last_hidden_rows
 from specserve.models.loader import load_hf_config, read_state_dict
 
@@ -112,7 +122,7 @@ def loss(head: MLPSpeculator, x, pos, h, aux, logp, k: int, distill):
 
 class MLPSpeculatorProposer(ProposerBase):
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext) -> None:
-        self.spec = ready(read(config.model, ctx.target), ctx.device, ctx.dtype, ctx.cpu_kernel)
+        self.spec = ctx.backend.prepare(read(config.model, ctx.target))
         self.modules = {"speculator": self.spec}
         check_k("mlp_speculator", config.num_speculative_tokens, self.spec.n_predict)
         self.device = ctx.device

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
+from specserve.kernels.cpu import HeadChain
 from specserve.methods.base import DraftContext, MethodSpec
 from specserve.methods.checkpoints import (
     add_shard,
@@ -23,7 +24,6 @@ from specserve.methods.checkpoints import (
     to_dtype,
 )
 from specserve.methods.head_proposer import HeadProposer
-from specserve.kernels.cpu import HeadChain
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import RMSNorm
 from specserve.models.llama import DecoderLayer, LlamaArgs

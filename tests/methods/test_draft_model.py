@@ -9,6 +9,7 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.methods.base import DraftContext
 from specserve.methods.draft_model import DraftModelProposer
+from specserve.models.backend import Backend
 from specserve.models.loader import load_model
 from tests.conftest import make_hf_model
 
@@ -19,7 +20,8 @@ def _ctx(target_dir, max_model_len: int = 200) -> DraftContext:
     target = load_model(target_dir, torch.float32, CPU)
     return DraftContext(target=target, target_path=str(target_dir), device=CPU,
                         dtype=torch.float32, num_slots=3, max_model_len=max_model_len,
-                        vocab_size=target.args.vocab_size, cpu_kernel=True)
+                        vocab_size=target.args.vocab_size,
+                        backend=Backend(CPU, torch.float32, cpu_kernel=True))
 
 
 def test_it_caps_the_context_at_the_drafts_and_keeps_a_cache_per_slot(llama_dir, tmp_path):

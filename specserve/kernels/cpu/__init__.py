@@ -1,8 +1,20 @@
 """The compiled CPU kernel (kernel.c) and its ctypes binding; see README.md here."""
 
-from specserve.kernels.cpu.binding import (GROUP, CpuLayer, HeadChain, LlamaChain, LlamaForward,
-                                           cpu_features, kernel_step, linear_rows, load_library,
-                                           max_rows, pack_weight, rms_norm_rows, weight_mode)
+from specserve.kernels.cpu.binding import (
+                                           GROUP,
+                                           CpuLayer,
+                                           HeadChain,
+                                           LlamaChain,
+                                           LlamaForward,
+                                           cpu_features,
+                                           kernel_step,
+                                           linear_rows,
+                                           load_library,
+                                           max_rows,
+                                           pack_weight,
+                                           rms_norm_rows,
+                                           weight_mode,
+)
 
 __all__ = ["GROUP", "CpuLayer", "HeadChain", "LlamaChain", "LlamaForward", "cpu_features",
            "kernel_step",
