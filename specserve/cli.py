@@ -12,12 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.config import (
-    ModelConfig,
-    SchedulerConfig,
-    ServerConfig,
-    load_json_or_yaml_arg,
-)
+from specserve.config import ModelConfig, SchedulerConfig, ServerConfig, load_json_or_yaml_arg
 from specserve.methods import head_methods
 
 

@@ -16,13 +16,7 @@ from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.kv_cache import KVCache
-from specserve.methods import (
-    DraftContext,
-    Proposal,
-    ProposeBatch,
-    Proposer,
-    build_proposer,
-)
+from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
 from specserve.metrics import SpecDecodingStats
 from specserve.models.backend import Backend
 from specserve.models.loader import load_hf_config, load_model, read_json

@@ -11,16 +11,7 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.methods import (
-    draft_model,
-    eagle,
-    eagle3,
-    medusa,
-    mlp_speculator,
-    mtp,
-    ngram,
-    suffix,
-)
+from specserve.methods import draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix
 from specserve.methods.base import (
     DraftContext,
     MethodSpec,

@@ -16,13 +16,7 @@ import torch
 
 from specserve.config import SpeculativeConfig
 from specserve.kernels.cpu import max_rows
-from specserve.methods.base import (
-    DraftContext,
-    MethodSpec,
-    Proposal,
-    ProposeBatch,
-    ProposerBase,
-)
+from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 from specserve.models.loader import load_hf_config, load_model
 from specserve.models.metadata import ragged_inputs
 from specserve.sampling.sampler import greedy_ids, sample_from

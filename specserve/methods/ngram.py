@@ -10,13 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from specserve.config import SpeculativeConfig
-from specserve.methods.base import (
-    DraftContext,
-    MethodSpec,
-    Proposal,
-    ProposeBatch,
-    ProposerBase,
-)
+from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 
 
 def find_ngram_draft(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

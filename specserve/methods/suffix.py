@@ -22,13 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specserve.config import SpeculativeConfig
-from specserve.methods.base import (
-    DraftContext,
-    MethodSpec,
-    Proposal,
-    ProposeBatch,
-    ProposerBase,
-)
+from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 
 
 @dataclass(slots=True, eq=False)

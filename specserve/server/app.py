@@ -25,11 +25,7 @@ from specserve.metrics import PrometheusMetrics
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.server import responses
-from specserve.server.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    RequestFailedError,
-)
+from specserve.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from specserve.server.guard import APIError, Gate, read_json
 from specserve.server.protocol import (
     ChatCompletionRequest,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specserve.kv_cache import KVCache
 from specserve.kernels.cpu import load_library
+from specserve.kv_cache import KVCache
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_model
 from specserve.models.metadata import build_metadata

@@ -206,12 +206,7 @@ def test_heads_trained_together_share_one_target_pass(tiny_lm, small_corpus, tmp
     """The joint loss is the sum of each head's own loss on the batch; a short joint run lowers
     every head's loss and writes each head in its format, and the heads speculate losslessly."""
     from specserve.models.loader import load_model
-    from specserve.train.heads import (
-        build_head,
-        head_loss,
-        joint_head_loss,
-        train_heads,
-    )
+    from specserve.train.heads import build_head, head_loss, joint_head_loss, train_heads
     target, _, _ = tiny_lm
     model = load_model(target, torch.float32, torch.device("cpu"))
     torch.manual_seed(0)
