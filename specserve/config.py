@@ -337,9 +337,9 @@ class ServerConfig:
         for name in ("max_request_bytes", "max_prompts_per_request"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_prompt_tokens_per_request is not None and self.max_prompt_tokens_per_request < 1:
-            raise ValueError("max_prompt_tokens_per_request must be >= 1, got "
-                             f"{self.max_prompt_tokens_per_request}")
+        tokens = self.max_prompt_tokens_per_request
+        if tokens is not None and tokens < 1:
+            raise ValueError(f"max_prompt_tokens_per_request must be >= 1, got {tokens}")
         if not self.request_body_timeout_s > 0:
             raise ValueError(f"request_body_timeout_s must be > 0, got "
                              f"{self.request_body_timeout_s}")

@@ -33,7 +33,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="models/code-draft")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--methods", default="available",
-                   help="comma-separated, from " + ", ".join(methods.REGISTRY) + "; default: every method "
+                   help="comma-separated, from " + ", ".join(methods.REGISTRY)
+                        + "; default: every method "
                         "whose draft or head exists (heads at <target>-<method>); METHOD@DIR "
                         "takes the draft or head from DIR (compare two heads side by side); "
                         "suffixes, combinable: METHOD+tree drafts the --token-tree (eagle, "

@@ -61,7 +61,8 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="specserve bench tree", description=__doc__)
     p.add_argument("mode", choices=["tree"])
     p.add_argument("--target", default="models/code-target")
-    p.add_argument("--method", default="eagle3", choices=[n for n, s in methods.REGISTRY.items() if s.drafts_trees])
+    p.add_argument("--method", default="eagle3",
+                   choices=[n for n, s in methods.REGISTRY.items() if s.drafts_trees])
     p.add_argument("--model", default=None, help="head directory (default: the zoo's)")
     p.add_argument("--max-depth", type=int, default=6)
     p.add_argument("--max-rank-sum", type=int, default=2)

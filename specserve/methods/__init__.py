@@ -24,8 +24,8 @@ from specserve.methods.hybrid import HybridProposer
 from specserve.models.backend import Backend
 
 __all__ = ["REGISTRY", "DraftContext", "MethodSpec", "Proposal", "ProposeBatch", "Proposer",
-           "RunnerOutput", "build_proposer", "detect_method", "get", "head_methods", "load_head", "resolve",
-           "resolve_speculative_config"]
+           "RunnerOutput", "build_proposer", "detect_method", "get", "head_methods", "load_head",
+           "resolve", "resolve_speculative_config"]
 
 # Detection checks methods in this order (eagle3 before eagle: "eagle3" contains "eagle").
 REGISTRY: dict[str, MethodSpec] = {s.name: s for s in (
@@ -100,7 +100,8 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
                 "speculative_token_tree")
     _capability(bool(config.draft_confidence_threshold), spec, "steps_drafts",
                 "draft_confidence_threshold")
-    if config.hybrid_prompt_lookup is not None and not (spec.needs_model or spec.reads_hidden_states):
+    model_based = spec.needs_model or spec.reads_hidden_states
+    if config.hybrid_prompt_lookup is not None and not model_based:
         raise ValueError(f"hybrid_prompt_lookup adds prompt lookup to a model-based drafter, "
                          f"not to {spec.name!r}; for prompt lookup alone use method 'ngram'")
     return config

@@ -104,11 +104,11 @@ class _ClosingStream(StreamingResponse):
 class _Server:
     """The routes' shared state and helpers (one per app)."""
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig, async_engine: AsyncEngine,
-                 metrics: PrometheusMetrics) -> None:
-        self.engine, self.config = engine, config
-        self.async_engine, self.metrics = async_engine, metrics
+    def __init__(self, engine: LLMEngine, config: ServerConfig, async_engine: AsyncEngine
+                 ) -> None:
+        self.engine, self.config, self.async_engine = engine, config, async_engine
         self.name = config.served_model_name or engine.config.model_config.model
+        self.metrics = PrometheusMetrics(engine, self.name)
         tok = engine.tokenizer
         self.decode: Callable[[int], str] = (
             (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else str)
@@ -346,8 +346,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None,
     """The app serving `engine`. `on_fatal` runs (on the engine thread) if the engine stops."""
     config = config or ServerConfig()
     async_engine = AsyncEngine(engine, on_fatal)
-    s = _Server(engine, config, async_engine, PrometheusMetrics(engine, config.served_model_name
-                                                                 or engine.config.model_config.model))
+    s = _Server(engine, config, async_engine)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
