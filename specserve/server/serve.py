@@ -27,7 +27,10 @@ def serve(engine: LLMEngine, config: ServerConfig, log_level: str = "info") -> i
                        "--allowed-hosts to name this server's hosts")
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port,
                                            log_level=log_level))
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:       # uvicorn re-raises Ctrl-C after its clean shutdown
+        pass
     if app.state.async_engine.error is not None:
         logger.error("exiting with status 1: %s", app.state.async_engine.why_dead)
         return 1
