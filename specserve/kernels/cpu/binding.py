@@ -240,6 +240,7 @@ class CpuLayer:
                             mlp.intermediate, at.qkv_proj.in_features, 0,
                             weight_mode(at.qkv_proj.kernel_weight), 0,
                             layer.post_attention_layernorm.eps, at.scale)
+        self._args = _LayerArgs(s=ctypes.pointer(self.shape), w=ctypes.cast(self.weights, _P))
 
     @staticmethod
     def supports(layer: torch.nn.Module) -> bool:
@@ -265,6 +266,7 @@ class CpuLayer:
                 raise ValueError("CpuLayer: KV cache tensors must be contiguous float32")
             self._cache = cache
             self.shape.max_len = k_cache.shape[2]
+            self._args.k_cache, self._args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         cos, sin = cos_sin                            # [T, 1, D] rows, rot_stride apart
         if cos.stride(-1) != 1 or sin.stride(0) != cos.stride(0):
             cos, sin = cos.contiguous(), sin.contiguous()
@@ -273,14 +275,14 @@ class CpuLayer:
         if attn_in is not None:
             attn_in = attn_in.contiguous()
         mask = md.row_mask() if md.tree else None             # [T, max_kv] bool
-        args = _LayerArgs(
-            s=ctypes.pointer(self.shape), T=out.shape[0], x=out.data_ptr(),
-            attn_in=None if attn_in is None else attn_in.data_ptr(),
-            slots=md.token_slots.data_ptr(), positions=md.positions.data_ptr(),
-            w=ctypes.cast(self.weights, _P), k_cache=k_cache.data_ptr(),
-            v_cache=v_cache.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
-            mask=None if mask is None else mask.data_ptr(),
-            mask_stride=0 if mask is None else mask.shape[1], nthreads=torch.get_num_threads())
+        args = self._args               # the step's fields; the rest were set once
+        args.T, args.x = out.shape[0], out.data_ptr()
+        args.attn_in = None if attn_in is None else attn_in.data_ptr()
+        args.slots, args.positions = md.token_slots.data_ptr(), md.positions.data_ptr()
+        args.cos, args.sin = cos.data_ptr(), sin.data_ptr()
+        args.mask = None if mask is None else mask.data_ptr()
+        args.mask_stride = 0 if mask is None else mask.shape[1]
+        args.nthreads = torch.get_num_threads()
         _check_rc(self.lib.specserve_layer(ctypes.byref(args)), "CpuLayer")
         return out
 
@@ -451,9 +453,13 @@ class LlamaForward:
         if not all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors):
             raise ValueError("LlamaForward: embedding, norm and rotary table must be "
                              "contiguous float32")
-        self.lib, self._keep, self.eps = layers[0].lib, tensors, eps
-        self.arrays = _LayerArrays(layers)
+        self.lib, self._keep = layers[0].lib, tensors
+        self.arrays = a = _LayerArrays(layers)
         self._caches = None
+        # the fields that stay from step to step, set once (a struct costs microseconds); not
+        # the tensors' addresses: a head that shares the embedding may move its storage
+        self._args = _LlamaForwardArgs(s=ctypes.cast(a.shapes, ctypes.POINTER(_Shape)),
+                                       L=a.num_layers, eps=eps, w=ctypes.cast(a.weights, _P))
         self._aux_ids: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _use(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -469,6 +475,8 @@ class LlamaForward:
             raise ValueError(f"LlamaForward: the KV cache holds more positions than the "
                              f"rotary table ({rotary})")
         self.arrays.use(caches)
+        self._args.k_cache = ctypes.cast(self.arrays.k, _P)
+        self._args.v_cache = ctypes.cast(self.arrays.v, _P)
         self._caches = caches
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, md,
@@ -484,18 +492,16 @@ class LlamaForward:
         if aux_ids is None:
             aux_ids = self._aux_ids[aux_layers] = torch.tensor(aux_layers, dtype=torch.long)
         mask = md.row_mask() if md.tree else None                       # [T, max_kv] bool
-        embed, final_norm, cos_sin = self._keep
-        args = _LlamaForwardArgs(
-            s=ctypes.cast(a.shapes, ctypes.POINTER(_Shape)), L=a.num_layers, T=T,
-            ids=ids.data_ptr(), slots=md.token_slots.data_ptr(),
-            positions=md.positions.data_ptr(), rope=positions.data_ptr(),
-            embed=embed.data_ptr(), final_norm=final_norm.data_ptr(), eps=self.eps,
-            cos_sin=cos_sin.data_ptr(), w=ctypes.cast(a.weights, _P),
-            k_cache=ctypes.cast(a.k, _P), v_cache=ctypes.cast(a.v, _P),
-            mask=None if mask is None else mask.data_ptr(),
-            mask_stride=0 if mask is None else mask.shape[1], n_aux=len(aux_layers),
-            aux_layers=aux_ids.data_ptr(), aux=None if aux is None else aux.data_ptr(),
-            hidden=hidden.data_ptr(), nthreads=torch.get_num_threads())
+        args, (embed, final_norm, cos_sin) = self._args, self._keep
+        args.embed, args.final_norm = embed.data_ptr(), final_norm.data_ptr()
+        args.cos_sin = cos_sin.data_ptr()
+        args.T, args.ids, args.slots = T, ids.data_ptr(), md.token_slots.data_ptr()
+        args.positions, args.rope = md.positions.data_ptr(), positions.data_ptr()
+        args.mask = None if mask is None else mask.data_ptr()
+        args.mask_stride = 0 if mask is None else mask.shape[1]
+        args.n_aux, args.aux_layers = len(aux_layers), aux_ids.data_ptr()
+        args.aux = None if aux is None else aux.data_ptr()
+        args.hidden, args.nthreads = hidden.data_ptr(), torch.get_num_threads()
         _check_rc(self.lib.specserve_llama_forward(ctypes.byref(args)), "LlamaForward")
         return (hidden, aux) if aux_layers else hidden
 
