@@ -78,8 +78,9 @@ class PrometheusMetrics:
 
     PREFIX = "specserve:"
 
-    def __init__(self, engine, model_name: str) -> None:
+    def __init__(self, engine, model_name: str, alive=lambda: True) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
+        self.alive = alive          # () -> bool: whether the engine loop still runs
         self.registry = CollectorRegistry()
         self.engine = engine
         self.model_name = model_name
@@ -140,4 +141,8 @@ class _EngineCollector:
         g = GaugeMetricFamily(p + "kv_cache_free_slots", "Free KV-cache slots",
                               labels=["model_name"])
         g.add_metric([m], eng.cache.num_free_slots)
+        yield g
+        g = GaugeMetricFamily(p + "engine_alive", "1 while the engine loop runs, 0 once it "
+                              "has stopped (every request then gets a 503)", labels=["model_name"])
+        g.add_metric([m], 1.0 if self.owner.alive() else 0.0)
         yield g

@@ -108,7 +108,7 @@ class _Server:
                  ) -> None:
         self.engine, self.config, self.async_engine = engine, config, async_engine
         self.name = config.served_model_name or engine.config.model_config.model
-        self.metrics = PrometheusMetrics(engine, self.name)
+        self.metrics = PrometheusMetrics(engine, self.name, lambda: async_engine.alive)
         tok = engine.tokenizer
         self.decode: Callable[[int], str] = (
             (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else str)

@@ -339,4 +339,5 @@ def test_a_dead_engine_answers_503_at_once(text_model_dir, make_client, monkeypa
     assert time.monotonic() - t0 < 5
     h = c.get("/health")
     assert h.status_code == 503 and "RuntimeError" in h.json()["error"]["message"]
+    assert 'specserve:engine_alive{model_name="tiny"} 0.0' in c.get("/metrics").text
     assert "/secret" not in h.text + first.text

@@ -184,7 +184,8 @@ def test_models_health_metrics(client, server):
     m = httpx.get(server[0] + "/metrics").text
     for name in ("specserve:spec_decode_num_drafts_total", "specserve:time_to_first_token_seconds",
                  "specserve:inter_token_latency_seconds", "specserve:e2e_request_latency_seconds",
-                 "specserve:num_requests_running", "specserve:num_requests_waiting"):
+                 "specserve:num_requests_running", "specserve:num_requests_waiting",
+                 'specserve:engine_alive{model_name="tiny"} 1.0'):
         assert name in m, name
 
 
