@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from specserve.token_tree import TokenTree
 
@@ -85,7 +86,8 @@ def field_help(cls: type) -> dict[str, tuple[Any, str]]:
 
 
 def load_json_or_yaml_arg(value: str | None) -> dict | None:
-    """Parse a CLI value given as inline JSON or as `@path` to a JSON/YAML file."""
+    """Parse a CLI value given as inline JSON, inline YAML (`"$(cat spec.yaml)"`, as vLLM's
+    examples pass it) or `@path` to a JSON/YAML file."""
     if value is None:
         return None
     if value.startswith("@"):
@@ -94,7 +96,6 @@ def load_json_or_yaml_arg(value: str | None) -> dict | None:
             raise ValueError(f"config file {path} does not exist")
         text = path.read_text()
         if path.suffix in (".yaml", ".yml"):
-            import yaml
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)
@@ -102,8 +103,11 @@ def load_json_or_yaml_arg(value: str | None) -> dict | None:
         try:
             data = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"could not parse {value!r} as JSON ({e}); pass a JSON object "
-                             "or @file.yaml") from e
+            try:
+                data = yaml.safe_load(value)
+            except yaml.YAMLError:
+                raise ValueError(f"could not parse {value!r} as JSON ({e}) or YAML; pass a "
+                                 "JSON object, YAML mapping text or @file.yaml") from e
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON/YAML mapping, got {type(data).__name__}")
     return data

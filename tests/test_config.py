@@ -96,6 +96,9 @@ def test_json_and_yaml_arguments(tmp_path):
     y = tmp_path / "spec.yaml"
     y.write_text("method: suffix\nnum_speculative_tokens: 4\n")
     assert load_json_or_yaml_arg(f"@{y}") == {"method": "suffix", "num_speculative_tokens": 4}
+    # inline YAML text: `--speculative-config "$(cat spec.yaml)"`
+    assert load_json_or_yaml_arg(y.read_text()) == {"method": "suffix",
+                                                    "num_speculative_tokens": 4}
     with pytest.raises(ValueError, match="could not parse"):
         load_json_or_yaml_arg("{method: ngram")
     with pytest.raises(ValueError, match="does not exist"):

@@ -185,3 +185,21 @@ def test_the_engine_logs_its_backends_in_one_line(llama_dir, draft_dir, caplog):
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("backend:")]
     assert line.startswith("backend: target pytorch cpu")
     assert "; draft model pytorch cpu" in line and "float32" in line and "threads" in line
+
+
+def test_chat_renders_the_template_and_generates(text_model_dir):
+    llm = LLM(str(text_model_dir), device="cpu", max_model_len=128)
+    msgs = [{"role": "user", "content": "write add"}]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompt = llm.get_tokenizer().apply_chat_template(msgs)
+    (ref,) = llm.generate(prompt, params, use_tqdm=False)
+    (one,) = llm.chat(msgs, params, use_tqdm=False)
+    assert one.prompt == prompt and one.outputs[0].token_ids == ref.outputs[0].token_ids
+    two = llm.chat([msgs, msgs + [{"role": "assistant", "content": "ok"}]], params,
+                   use_tqdm=False)
+    assert len(two) == 2 and two[0].outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_chat_without_a_tokenizer_says_so(llama_dir):
+    with pytest.raises(ValueError, match="no tokenizer .*chat is not available"):
+        LLM(str(llama_dir), device="cpu").chat([{"role": "user", "content": "hi"}])
