@@ -45,13 +45,22 @@ def main() -> None:
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     print("-" * 60)
     print(f"{n} tokens in {dt:.2f} s ({n / dt:.1f} tokens/s)")
-    if spec:
-        m = llm.get_metrics()
-        per_pos = [x / max(1, m["spec_decode_num_drafts"])
-                   for x in m["spec_decode_num_accepted_tokens_per_pos"]]
-        print(f"mean acceptance length {m['mean_acceptance_length']:.2f}, acceptance rate "
-              f"{m['acceptance_rate']:.1%}")
-        print("per-position acceptance: " + ", ".join(f"{x:.2f}" for x in per_pos))
+    if spec:            # read as vLLM's example reads them
+        num_drafts = num_draft_tokens = num_accepted = 0
+        per_pos: list[int] = []
+        for metric in llm.get_metrics():
+            if metric.name == "vllm:spec_decode_num_drafts":
+                num_drafts = metric.value
+            elif metric.name == "vllm:spec_decode_num_draft_tokens":
+                num_draft_tokens = metric.value
+            elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+                num_accepted = metric.value
+            elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+                per_pos = metric.values
+        print(f"mean acceptance length {1 + num_accepted / max(1, num_drafts):.2f}, acceptance "
+              f"rate {num_accepted / max(1, num_draft_tokens):.1%}")
+        print("per-position acceptance: "
+              + ", ".join(f"{x / max(1, num_drafts):.2f}" for x in per_pos))
 
 
 if __name__ == "__main__":

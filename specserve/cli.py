@@ -75,7 +75,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(f"\n[{n} tokens in {dt:.2f} s: {n / dt:.1f} tokens/s, finish_reason={comp.finish_reason}]",
           file=sys.stderr)
     if spec is not None:
-        m = llm.get_metrics()
+        m = llm.get_stats()
         per_pos = [a / m["spec_decode_num_drafts"] if m["spec_decode_num_drafts"] else 0.0
                    for a in m["spec_decode_num_accepted_tokens_per_pos"]]
         print(f"[speculation: mean acceptance length {m['mean_acceptance_length']:.2f}, "

@@ -10,6 +10,7 @@ from tqdm import tqdm
 from specserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from specserve.engine.engine import LLMEngine
 from specserve.inputs import PromptType
+from specserve.metrics import Metric
 from specserve.methods import resolve_speculative_config
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -97,5 +98,12 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def get_metrics(self) -> dict:
-        return self.engine.get_metrics()
+    def get_metrics(self) -> list[Metric]:
+        """The speculation metrics as vLLM's LLM.get_metrics() gives them: counters and vectors
+        named "vllm:spec_decode_*" with `value` / `values`."""
+        return self.engine.spec_stats.as_metrics()
+
+    def get_stats(self) -> dict:
+        """The same counters as a dict, with the derived rates (mean acceptance length,
+        acceptance rate) and the proposer's own counters."""
+        return self.engine.get_stats()

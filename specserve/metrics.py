@@ -5,6 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Counter:
+    """A counter as vLLM's metrics reader gives it."""
+
+    name: str
+    value: int
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Vector:
+    """Counters by position (vLLM's reader: `values`)."""
+
+    name: str
+    values: list[int]
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+Metric = Counter | Vector
+
+
 @dataclass
 class SpecDecodingStats:
     num_spec_tokens: int                      # K: positions tracked per draft
@@ -59,6 +80,14 @@ class SpecDecodingStats:
             "acceptance_rate": self.acceptance_rate,
         } | ({"spec_decode_num_accepted_tokens_per_node": list(self.num_accepted_tokens_per_node)}
              if self.num_accepted_tokens_per_node else {})
+
+    def as_metrics(self) -> list[Metric]:
+        """vLLM's names and shapes (what its offline speculative-decoding example reads)."""
+        return [Counter("vllm:spec_decode_num_drafts", self.num_drafts),
+                Counter("vllm:spec_decode_num_draft_tokens", self.num_draft_tokens),
+                Counter("vllm:spec_decode_num_accepted_tokens", self.num_accepted_tokens),
+                Vector("vllm:spec_decode_num_accepted_tokens_per_pos",
+                       list(self.num_accepted_tokens_per_pos))]
 
     def log_line(self, elapsed_s: float) -> str:
         per_pos = ", ".join(f"{a:.3f}" for a in self.per_position_acceptance())

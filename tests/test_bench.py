@@ -222,7 +222,7 @@ def test_hybrid_runner_notes_the_share_of_lookup_drafts(llama_dir, draft_dir):
                        SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert plain.note() is None
     lookups = hybrid.llm.engine.proposer.num_lookup_drafts
-    share = lookups / hybrid.llm.get_metrics()["spec_decode_num_drafts"]
+    share = lookups / hybrid.llm.get_stats()["spec_decode_num_drafts"]
     assert 0 < share < 1 and hybrid.note() == f"lookup drafted {share:.0%}"
 
 

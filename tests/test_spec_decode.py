@@ -47,7 +47,7 @@ def test_greedy_equality_batch_1(method, llama_dir, draft_dir):
     spec = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)[method], device="cpu")
     got = [spec.generate(p, _greedy(), use_tqdm=False)[0].outputs[0].token_ids for p in ps]
     assert got == ref
-    assert spec.get_metrics()["spec_decode_num_draft_tokens"] > 0
+    assert spec.get_stats()["spec_decode_num_draft_tokens"] > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "hybrid"])
@@ -81,7 +81,7 @@ def test_greedy_equality_mixed_batch(method, llama_dir, draft_dir):
         assert g.outputs[0].finish_reason == r.outputs[0].finish_reason
     assert len(got[4].outputs[0].token_ids) == 4 and got[4].outputs[0].finish_reason == "length"
     assert got[1].outputs[0].finish_reason == "stop"
-    m = spec.get_metrics()          # the speculative run did verify drafts, and accepted some
+    m = spec.get_stats()          # the speculative run did verify drafts, and accepted some
     assert m["spec_decode_num_drafts"] > 10 and m["spec_decode_num_accepted_tokens"] > 0
 
 
@@ -91,7 +91,7 @@ def test_draft_equal_to_target_accepts_everything(llama_dir):
     steps = 6
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(3)],
                         _greedy(1 + steps * (K + 1)), use_tqdm=False)
-    m = llm.get_metrics()
+    m = llm.get_stats()
     assert m["acceptance_rate"] == 1.0
     assert m["mean_acceptance_length"] == K + 1
     assert m["spec_decode_num_accepted_tokens_per_pos"] == [3 * steps] * K
@@ -104,7 +104,7 @@ def test_spec_metrics_are_consistent(llama_dir, draft_dir):
     llm = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)["ngram"], device="cpu")
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(5)],
                         _greedy(), use_tqdm=False)
-    m = llm.get_metrics()
+    m = llm.get_stats()
     assert m["spec_decode_num_drafts"] == sum(o.spec_metrics.num_drafts for o in outs)
     assert m["spec_decode_num_accepted_tokens"] == sum(m["spec_decode_num_accepted_tokens_per_pos"])
     assert m["mean_acceptance_length"] == pytest.approx(
@@ -196,7 +196,7 @@ def test_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs,
     prompt = [4, 5, 6, 1, 2] if extra else PROMPT8
     exact = _exact_pair_distribution(target, prompt) if extra else exact_pairs
     tv = 0.5 * (_token_hist(llm, N_SAMPLES, 100_000, prompt=prompt) - exact).abs().sum().item()
-    assert llm.get_metrics()["acceptance_rate"] < 0.95       # rejections were exercised
+    assert llm.get_stats()["acceptance_rate"] < 0.95       # rejections were exercised
     if extra:
         assert 0.2 < llm.engine.proposer.num_lookup_drafts / N_SAMPLES < 0.8
     assert tv < TV_BOUND, f"total variation {tv:.3f} from the target's exact distribution"
@@ -222,7 +222,7 @@ def test_eagle3_sampling_matches_exact_distribution(small_vocab_pair, exact_pair
     # 6 tokens: room for the whole tree after the first (a budget of 2 truncates it to a chain)
     hist = _token_hist(llm, N_SAMPLES, 200_000, max_tokens=6)
     tv = 0.5 * (hist - exact_pairs).abs().sum().item()
-    rate = llm.get_metrics()["acceptance_rate"]
+    rate = llm.get_stats()["acceptance_rate"]
     assert 0.05 < rate < 0.95                                 # accepts and rejections both seen
     if "speculative_token_tree" in shape:                     # the second-best branch was taken
         assert sum(1 for p in paths if p[:1] == [2]) > 200
@@ -276,7 +276,7 @@ def test_synthetic_acceptance(llama_dir):
            "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 1.0}
     llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
     llm.generate(TokensPrompt(prompt_token_ids=[1, 2, 3] * 5), _greedy(), use_tqdm=False)
-    assert llm.get_metrics()["acceptance_rate"] == 1.0
+    assert llm.get_stats()["acceptance_rate"] == 1.0
 
 
 def test_disable_by_batch_size_keeps_greedy_output(llama_dir, draft_dir):
@@ -286,12 +286,12 @@ def test_disable_by_batch_size_keeps_greedy_output(llama_dir, draft_dir):
     llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
     got = llm.generate(ps, _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
-    batched_drafts = llm.get_metrics()["spec_decode_num_drafts"]
+    batched_drafts = llm.get_stats()["spec_decode_num_drafts"]
     alone = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
     for p in ps:
         alone.generate(p, _greedy(), use_tqdm=False)
     # With 6 requests running, speculation is off until only 2 remain.
-    assert batched_drafts < alone.get_metrics()["spec_decode_num_drafts"]
+    assert batched_drafts < alone.get_stats()["spec_decode_num_drafts"]
 
 
 def test_spec_max_model_len_applies_to_every_method(llama_dir):
@@ -319,7 +319,7 @@ def test_confidence_threshold_keeps_output_and_shortens_drafts(method, llama_dir
             "draft_confidence_threshold": threshold})
         got = [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(), use_tqdm=False)]
         assert got == ref, threshold
-        m = llm.get_metrics()
+        m = llm.get_stats()
         per_draft.append(m["spec_decode_num_draft_tokens"] / m["spec_decode_num_drafts"])
     assert per_draft[0] > 2.5                      # K = 3 except near max_tokens
     assert per_draft[0] >= per_draft[1] >= per_draft[2] >= 1.0

@@ -72,7 +72,7 @@ class SpecserveRunner:
     def acceptance(self) -> tuple[float, float, list[float]] | None:
         if self.spec is None:
             return None
-        m = self.llm.get_metrics()
+        m = self.llm.get_stats()
         d = max(1, m["spec_decode_num_drafts"])
         return (m["mean_acceptance_length"], m["acceptance_rate"],
                 [a / d for a in m["spec_decode_num_accepted_tokens_per_pos"]])
@@ -80,7 +80,7 @@ class SpecserveRunner:
     def note(self) -> str | None:
         """adaptive_k: the mean K over the steps it chose; hybrid_prompt_lookup: the share of
         drafts that prompt lookup made."""
-        m, notes = self.llm.get_metrics(), []
+        m, notes = self.llm.get_stats(), []
         choices = m.get("adaptive_k_choices")
         if choices:
             mean = sum(k * n for k, n in choices.items()) / sum(choices.values())

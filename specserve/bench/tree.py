@@ -37,7 +37,7 @@ def node_rates(model: str, spec: dict, prompts: list[str], max_tokens: int, temp
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
                              ignore_eos=True) for i in range(len(prompts))]
     llm.generate(prompts, params, use_tqdm=False)
-    m = llm.get_metrics()
+    m = llm.get_stats()
     per_node = m.get("spec_decode_num_accepted_tokens_per_node", [])
     n = len(TokenTree.parse(spec["speculative_token_tree"]))
     return [c / max(1, m["spec_decode_num_drafts"]) for c in per_node + [0] * (n - len(per_node))]

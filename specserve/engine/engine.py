@@ -396,7 +396,7 @@ class LLMEngine:
         if self.proposer is not None:
             self.proposer.reset()
 
-    def get_metrics(self) -> dict:
+    def get_stats(self) -> dict:
         m = self.spec_stats.as_dict()
         if self.proposer is not None:
             m |= self.proposer.stats()

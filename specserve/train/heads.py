@@ -175,7 +175,7 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
     max_tokens = min(max_tokens, llm.engine.max_model_len // 2)
     llm.generate(fit_prompts(llm, completion_prompts(num_prompts), max_tokens), SamplingParams(
         temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    m = llm.get_metrics()
+    m = llm.get_stats()
     d = max(1, m["spec_decode_num_drafts"])
     return {"tau": m["mean_acceptance_length"], "acceptance_rate": m["acceptance_rate"],
             "per_position": [a / d for a in m["spec_decode_num_accepted_tokens_per_pos"]]}

@@ -84,6 +84,6 @@ def test_adaptive_k_keeps_greedy_output(method, llama_dir, draft_dir):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     tried = {k for (_, _, k) in llm.engine.adaptive_k.timings}
     assert tried == set(range(4))                       # explored every K in 0..3
-    m = llm.get_metrics()
+    m = llm.get_stats()
     assert m["spec_decode_num_drafts"] > 0
     assert set(m["adaptive_k_choices"]) == set(range(4))

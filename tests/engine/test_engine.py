@@ -41,7 +41,7 @@ def test_each_step_emits_accepted_plus_one_and_rolls_back_the_rest(llama_dir):
     engine.step()                                  # verify: 2 accepted + the target's token
     assert req.output_token_ids == truth[:4]
     assert req.num_computed_tokens == req.num_tokens - 1      # the wrong draft's KV rolled back
-    m = engine.get_metrics()
+    m = engine.get_stats()
     assert (m["spec_decode_num_drafts"], m["spec_decode_num_draft_tokens"],
             m["spec_decode_num_accepted_tokens"]) == (1, 3, 2)
     while engine.has_unfinished_requests():

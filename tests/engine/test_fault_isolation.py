@@ -71,7 +71,7 @@ def test_a_failing_request_is_aborted_alone(llama_dir, draft_dir, monkeypatch, s
               speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3})
     prompts, params = _innocent()
     reference = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.get_metrics()["spec_decode_num_drafts"] > 0       # drafts were verified
+    assert llm.get_stats()["spec_decode_num_drafts"] > 0       # drafts were verified
     _inject(stage, llm, monkeypatch)
     bad = TokensPrompt(prompt_token_ids=_prompts()[1][:5])
     outs = llm.generate(prompts[:2] + [bad] + prompts[2:],

@@ -203,3 +203,20 @@ def test_chat_renders_the_template_and_generates(text_model_dir):
 def test_chat_without_a_tokenizer_says_so(llama_dir):
     with pytest.raises(ValueError, match="no tokenizer .*chat is not available"):
         LLM(str(llama_dir), device="cpu").chat([{"role": "user", "content": "hi"}])
+
+
+def test_get_metrics_gives_vllm_shaped_objects_and_get_stats_the_dict(llama_dir):
+    llm = LLM(str(llama_dir), device="cpu",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1})
+    llm.generate([TokensPrompt(prompt_token_ids=[4, 5, 4, 5, 4, 5])], GREEDY, use_tqdm=False)
+    stats = llm.get_stats()
+    got = {m.name: getattr(m, "value", None) if hasattr(m, "value") else m.values
+           for m in llm.get_metrics()}
+    assert got == {"vllm:spec_decode_num_drafts": stats["spec_decode_num_drafts"],
+                   "vllm:spec_decode_num_draft_tokens": stats["spec_decode_num_draft_tokens"],
+                   "vllm:spec_decode_num_accepted_tokens":
+                       stats["spec_decode_num_accepted_tokens"],
+                   "vllm:spec_decode_num_accepted_tokens_per_pos":
+                       stats["spec_decode_num_accepted_tokens_per_pos"]}
+    assert stats["spec_decode_num_drafts"] > 0

@@ -166,7 +166,7 @@ def test_engine_accepts_any_branch(llama_dir):
         for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
             assert a.keys() == b.keys()
             assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
-    m = llm.get_metrics()
+    m = llm.get_stats()
     # right branch taken 2 of 3 steps: about 2 accepted tokens per step when it is
     assert m["spec_decode_num_accepted_tokens"] > m["spec_decode_num_drafts"]
     per_node = m["spec_decode_num_accepted_tokens_per_node"]

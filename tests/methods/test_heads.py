@@ -157,7 +157,7 @@ def test_head_methods_are_lossless(name, heads, llama_dir):
                          use_tqdm=False)
     assert alone == ref[:2]
     assert [o.outputs[0].token_ids for o, i in zip(mixed, range(6)) if i % 2 == 0] == ref[::2]
-    assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+    assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
 
 
 def greedy_of_several_lengths(llama_dir, seed: int, first: int, step: int):
@@ -198,7 +198,7 @@ def test_heads_catch_up_after_speculation_was_off(heads, llama_dir, monkeypatch)
         proposer, record = llm.engine.proposer, record_drafts(llm)
         got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
         assert got == ref
-        assert llm.get_metrics()["spec_decode_num_drafts"] > 0   # the last two requests drafted
+        assert llm.get_stats()["spec_decode_num_drafts"] > 0   # the last two requests drafted
         assert not proposer.pending                               # nothing left behind
         drafts[max_pending] = record
     assert len(drafts[1]) > 10
@@ -213,7 +213,7 @@ def test_mtp_is_lossless_and_loads_from_the_target(tmp_path, llama_dir):
     llm = LLM(str(target), device="cpu", speculative_config={"method": "mtp",
                                                                "num_speculative_tokens": 2})
     got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
-    assert got == ref and llm.get_metrics()["spec_decode_num_drafts"] > 0
+    assert got == ref and llm.get_stats()["spec_decode_num_drafts"] > 0
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 0 or missing"):
         LLM(str(llama_dir), device="cpu", speculative_config={"method": "mtp",
                                                                 "num_speculative_tokens": 2})
@@ -227,7 +227,7 @@ def test_head_acceptance_bookkeeping(tmp_path, llama_dir):
         "synthetic_acceptance_rate": 1.0})
     llm.generate(_prompts(2, seed=9), SamplingParams(temperature=0, max_tokens=1 + 4 * 5,
                                                      ignore_eos=True), use_tqdm=False)
-    assert llm.get_metrics()["mean_acceptance_length"] == 4.0
+    assert llm.get_stats()["mean_acceptance_length"] == 4.0
 
 
 def test_loaded_weights_match_the_files(heads, llama_dir):

@@ -66,4 +66,4 @@ def test_a_method_added_by_one_registry_entry_runs_losslessly(llama_dir, monkeyp
               speculative_config={"method": "repeat", "num_speculative_tokens": 3})
     got = llm.generate(prompts, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
-    assert llm.engine.proposer.calls > 0 and llm.get_metrics()["spec_decode_num_drafts"] > 0
+    assert llm.engine.proposer.calls > 0 and llm.get_stats()["spec_decode_num_drafts"] > 0

@@ -390,7 +390,7 @@ def test_bfloat16_models_take_bfloat16_matmul_inputs_and_stay_lossless(llama_dir
         mixed = llm.generate(ps, params, use_tqdm=False)
         assert alone == ref[:2], spec
         assert [o.outputs[0].token_ids for o in mixed[::2]] == ref[::2], spec
-        assert llm.get_metrics()["spec_decode_num_draft_tokens"] > 0
+        assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
     ids = ps[2]["prompt_token_ids"]
     f32 = use_decode_linears(load_model(llama_dir, torch.float32, torch.device("cpu")))
     logits = []

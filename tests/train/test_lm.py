@@ -92,7 +92,7 @@ def test_draft_distillation_lowers_kl(small_corpus, tiny_lm, tmp_path):
     llm = LLM(str(target), device="cpu", speculative_config={
         "model": str(tmp_path / "draft"), "num_speculative_tokens": 2})
     llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-    assert llm.get_metrics()["spec_decode_num_drafts"] > 0
+    assert llm.get_stats()["spec_decode_num_drafts"] > 0
 
 
 def test_draft_training_starts_from_init(small_corpus, tiny_lm, tmp_path):

@@ -33,7 +33,7 @@ def test_bundled_heads_speculate_losslessly(method):
     llm = LLM(model, device="cpu", speculative_config=spec)
     got = llm.generate(prompt, sp, use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
-    assert llm.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 0
 
 
 def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsys):
