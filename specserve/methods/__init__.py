@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.methods import draft_model, eagle, eagle3, medusa, mlp_speculator, mtp, ngram, suffix
+from specserve.methods import (custom_class, draft_model, eagle, eagle3, medusa, mlp_speculator,
+                               mtp, ngram, suffix)
 from specserve.methods.base import (
     DraftContext,
     MethodSpec,
@@ -30,7 +31,7 @@ __all__ = ["REGISTRY", "DraftContext", "MethodSpec", "Proposal", "ProposeBatch",
 # Detection checks methods in this order (eagle3 before eagle: "eagle3" contains "eagle").
 REGISTRY: dict[str, MethodSpec] = {s.name: s for s in (
     ngram.SPEC, suffix.SPEC, draft_model.SPEC, eagle3.SPEC, eagle.SPEC, medusa.SPEC,
-    mlp_speculator.SPEC, mtp.SPEC)}
+    mlp_speculator.SPEC, mtp.SPEC, custom_class.SPEC)}
 
 
 def get(name: str) -> MethodSpec:
@@ -46,12 +47,22 @@ def head_methods() -> tuple[str, ...]:
     return tuple(n for n, s in REGISTRY.items() if s.new_head is not None)
 
 
-def detect_method(model: str | None) -> str:
-    """The method of a checkpoint from its config.json (speculators_model_type, model_type,
-    architectures), then from its directory name; a plain LM is a draft model."""
+def detect_method(model: str | None, target: str | None = None) -> str:
+    """The method, in vLLM's order: a dotted import path is a custom class; "ngram" is ngram;
+    a checkpoint by its config.json (speculators_model_type, model_type, architectures), then
+    its directory name; no model with a target that has MTP layers is mtp; a plain LM is a
+    draft model."""
     if model is None:
+        if target is not None and (Path(target) / "config.json").is_file() and \
+                json.loads((Path(target) / "config.json").read_text()).get(
+                    "num_nextn_predict_layers"):
+            return mtp.SPEC.name
         raise ValueError("speculative_config needs 'method' (one of "
                          f"{', '.join(REGISTRY)}) or 'model'")
+    if model == "ngram":
+        return ngram.SPEC.name
+    if custom_class.is_dotted_path(model) and not Path(model).exists():
+        return custom_class.SPEC.name
     hints = [Path(model).name.lower()]
     cfg_path = Path(model) / "config.json"
     if cfg_path.is_file():
@@ -73,7 +84,9 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
     the method detected when omitted, its required model, K from its checkpoint when omitted,
     keys that belong to other methods. `target`: the target's directory (MTP's checkpoint)."""
     if config.method is None:
-        config.method = detect_method(config.model)
+        config.method = detect_method(config.model, target)
+    if config.method == ngram.SPEC.name and config.model == "ngram":
+        config.model = None                 # vLLM's form: model "ngram" names the method
     spec = get(config.method)
     config.method = spec.name
     if spec.needs_model and not config.model:
