@@ -77,8 +77,8 @@ def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:
 def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
     """method name -> (model to load, speculative_config), from the common flags."""
     extra = json.loads(a.spec_extra) if a.spec_extra else {}
-    names = (tuple(methods.REGISTRY) if a.methods == "available"
-             else tuple(filter(None, a.methods.split(","))))
+    names = (tuple(n for n, s in methods.REGISTRY.items() if s.in_benchmarks)
+             if a.methods == "available" else tuple(filter(None, a.methods.split(","))))
     out = {}
     for name in names:
         m, _, path = name.partition("@")

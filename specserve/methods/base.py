@@ -183,3 +183,5 @@ class MethodSpec:
     model_is_target: bool = False
     # speculative_config keys the benchmarks and the zoo use with it
     suggested: dict = field(default_factory=dict)
+    # `bench --methods available` runs it (the zoo has what it needs)
+    in_benchmarks: bool = True

@@ -44,5 +44,5 @@ def build(config: SpeculativeConfig, ctx: DraftContext) -> Proposer:
     return proposer
 
 
-SPEC = MethodSpec(name="custom_class", build=build, needs_model=True,
+SPEC = MethodSpec(name="custom_class", build=build, needs_model=True, in_benchmarks=False,
                   summary="your own proposer class, by its dotted import path")
