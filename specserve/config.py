@@ -143,7 +143,14 @@ class SpeculativeConfig:
     rejection_sample_method: str = field(default="strict", metadata={
         "help": "strict (lossless, alias standard), probabilistic, synthetic (benchmarking)"})
     synthetic_acceptance_rate: float | None = field(default=None, metadata={
-        "help": "synthetic only: probability that each draft token is accepted"})
+        "help": "synthetic only: probability that each draft token is accepted once the ones "
+                "before it were"})
+    synthetic_acceptance_rates: list | None = field(default=None, metadata={
+        "help": "synthetic only: K non-increasing probabilities that draft 1..K is accepted "
+                "(unconditional, as vLLM's)"})
+    synthetic_acceptance_length: float | None = field(default=None, metadata={
+        "help": "synthetic only: a mean acceptance length in [1, K+1], turned into rates "
+                "[1, ..., 1, fraction, 0, ...]"})
     draft_sample_method: str = field(default="greedy", metadata={
         "help": "greedy or probabilistic drafting (draft_model)"})
     disable_by_batch_size: int | None = field(default=None, metadata={
@@ -214,14 +221,20 @@ class SpeculativeConfig:
         if self.rejection_sample_method not in REJECTION_METHODS:
             raise ValueError(f"rejection_sample_method {self.rejection_sample_method!r} is not "
                              f"known; use one of {', '.join(REJECTION_METHODS)} (or 'standard')")
-        rate = self.synthetic_acceptance_rate
+        given = [k for k in ("synthetic_acceptance_rate", "synthetic_acceptance_rates",
+                             "synthetic_acceptance_length") if getattr(self, k) is not None]
         if self.rejection_sample_method == "synthetic":
-            if rate is None or not 0 <= rate <= 1:
+            if len(given) != 1:
+                raise ValueError("rejection_sample_method 'synthetic' needs one of "
+                                 "synthetic_acceptance_rate, synthetic_acceptance_rates or "
+                                 f"synthetic_acceptance_length, got {given or 'none'}")
+            rate = self.synthetic_acceptance_rate
+            if rate is not None and not (isinstance(rate, (int, float)) and 0 <= rate <= 1):
                 raise ValueError("rejection_sample_method 'synthetic' needs "
                                  f"synthetic_acceptance_rate in [0, 1], got {rate}")
-        elif rate is not None:
-            raise ValueError("synthetic_acceptance_rate is only used with "
-                             "rejection_sample_method 'synthetic'")
+        elif given:
+            raise ValueError(f"{given[0]} is only used with rejection_sample_method "
+                             "'synthetic'")
         if self.draft_sample_method not in ("greedy", "probabilistic"):
             raise ValueError(f"draft_sample_method must be 'greedy' or 'probabilistic', got "
                              f"{self.draft_sample_method!r}")
@@ -248,6 +261,33 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > 128:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} is above "
                              "the limit of 128")
+
+    def synthetic_rates(self) -> list[float] | None:
+        """The conditional probability that draft i is accepted once drafts 1..i-1 were, for
+        i = 1..K (synthetic verification); None when not synthetic. K must be known."""
+        if self.rejection_sample_method != "synthetic":
+            return None
+        k = self.num_speculative_tokens
+        if self.synthetic_acceptance_rate is not None:
+            return [float(self.synthetic_acceptance_rate)] * k
+        rates = self.synthetic_acceptance_rates
+        if rates is None:                    # the minimum-variance schedule of a mean length
+            length = self.synthetic_acceptance_length
+            if not (isinstance(length, (int, float)) and 1 <= length <= k + 1):
+                raise ValueError(f"synthetic_acceptance_length must be in [1, K+1] = [1, "
+                                 f"{k + 1}], got {length!r}")
+            whole = int(length - 1)
+            rates = [1.0] * whole + ([length - 1 - whole] if whole < k else [])
+            rates += [0.0] * (k - len(rates))
+        if (not isinstance(rates, list) or len(rates) != k
+                or not all(isinstance(x, (int, float)) and 0 <= x <= 1 for x in rates)
+                or any(b > a for a, b in zip(rates, rates[1:]))):
+            raise ValueError(f"synthetic_acceptance_rates must be a list of K = {k} "
+                             f"non-increasing numbers in [0, 1], got {rates!r}")
+        # unconditional p_i -> conditional c_i = p_i / p_(i-1) (1 where p_(i-1) = 0: never
+        # reached)
+        return [float(p) / prev if prev > 0 else 1.0
+                for p, prev in zip(rates, [1.0, *rates[:-1]])]
 
     def _check_tree(self) -> None:
         tree = TokenTree.parse(self.speculative_token_tree)

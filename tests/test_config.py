@@ -40,7 +40,7 @@ from specserve.methods import resolve_speculative_config
     ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "typical"},
      "rejection_sample_method 'typical' is not known"),
     ({"method": "ngram", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic"},
-     r"needs synthetic_acceptance_rate in \[0, 1\]"),
+     "needs one of synthetic_acceptance_rate, synthetic_acceptance_rates"),
     ({"method": "ngram", "num_speculative_tokens": 2, "synthetic_acceptance_rate": 0.5},
      "only used with rejection_sample_method 'synthetic'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "beam"},
@@ -112,3 +112,35 @@ def test_wrong_head_checkpoint_names_the_missing_tensor(llama_dir):
     with pytest.raises(ValueError, match="weights missing from the checkpoint: fc.weight"):
         LLM(str(llama_dir), speculative_config={"method": "eagle", "model": str(llama_dir),
                                                 "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("extra, rates", [
+    ({"synthetic_acceptance_rate": 0.5}, [0.5, 0.5, 0.5]),
+    ({"synthetic_acceptance_rates": [0.9, 0.6, 0.3]}, [0.9, 0.6 / 0.9, 0.3 / 0.6]),
+    ({"synthetic_acceptance_length": 2.5}, [1.0, 0.5, 0.0]),        # [1, .5, 0] unconditional
+    ({"synthetic_acceptance_length": 4}, [1.0, 1.0, 1.0]),
+    ({"synthetic_acceptance_length": 1}, [0.0, 1.0, 1.0]),          # later positions unreached
+])
+def test_synthetic_schedules_become_conditional_rates(extra, rates):
+    c = resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
+                                    "rejection_sample_method": "synthetic"} | extra)
+    assert c.synthetic_rates() == pytest.approx(rates)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"synthetic_acceptance_rates": [0.5, 0.6, 0.1]}, "non-increasing"),
+    ({"synthetic_acceptance_rates": [0.5, 0.4]}, "K = 3"),
+    ({"synthetic_acceptance_length": 4.5}, r"in \[1, K\+1\] = \[1, 4\]"),
+    ({"synthetic_acceptance_length": 2, "synthetic_acceptance_rate": 0.5}, "needs one of"),
+    ({}, "needs one of"),
+])
+def test_synthetic_schedule_errors(extra, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
+                                    "rejection_sample_method": "synthetic"} | extra)
+
+
+def test_synthetic_keys_need_synthetic():
+    with pytest.raises(ValueError, match="synthetic_acceptance_length is only used with"):
+        resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
+                                    "synthetic_acceptance_length": 2})

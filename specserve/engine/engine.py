@@ -178,7 +178,7 @@ class LLMEngine:
                                    b.request.spec_parents if b.num_spec_tokens else None)
                      for _, b in sampled]
             method = self.spec.rejection_sample_method if self.spec else "strict"
-            rate = self.spec.synthetic_acceptance_rate if self.spec else None
+            rate = self.spec.synthetic_rates() if self.spec else None
             errors: dict[int, Exception] = {}
             tokens = verify(out.logits, vreqs, method, rate, errors).tolist()
             row = 0

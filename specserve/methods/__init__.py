@@ -109,6 +109,7 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
                 raise ValueError(f"{key} applies to method {other.name!r} only")
     if spec.configure is not None:
         spec.configure(config)
+    config.synthetic_rates()                  # checks the synthetic schedule now that K is known
     _capability(config.speculative_token_tree is not None, spec, "drafts_trees",
                 "speculative_token_tree")
     _capability(bool(config.draft_confidence_threshold), spec, "steps_drafts",

@@ -41,14 +41,15 @@ class VerifyRequest:
 
 
 def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "strict",
-           synthetic_acceptance_rate: float | None = None,
+           synthetic_acceptance_rate: float | list[float] | None = None,
            errors: dict[int, Exception] | None = None) -> torch.Tensor:
     """Verify every request's drafts against its k+1 target rows.
 
     logits: [sum(k_i + 1), V] float32 target logits, request-major.
     method: "strict" (drafts one-hot, the default), "probabilistic" (uses draft_probs in the
-    ratio test) or "synthetic" (acceptance drawn at `synthetic_acceptance_rate`, independent of
-    the target; for benchmarking only - the output is then not the target's distribution).
+    ratio test) or "synthetic" (acceptance drawn at `synthetic_acceptance_rate`: one rate, or
+    the conditional rate of each position; independent of the target; for benchmarking only -
+    the output is then not the target's distribution).
     errors: when given, an exception raised by one request's verification is stored here under
     its index and its row is all placeholders, so that one request cannot fail the others.
     Returns [batch, max_k + 1] int64, padded with PLACEHOLDER_TOKEN_ID.
@@ -112,8 +113,12 @@ def _uniforms(r: VerifyRequest) -> torch.Tensor:
     return torch.rand(len(r.draft_token_ids), dtype=torch.float64, generator=g, device=g.device)
 
 
-def _synthetic_accepts(r: VerifyRequest, rate: float) -> list[bool]:
-    return (_uniforms(r) < rate).tolist()
+def _synthetic_accepts(r: VerifyRequest, rate: float | list[float]) -> list[bool]:
+    """Draft j accepted iff u_j < rate (or rate[j]: the conditional rate of position j)."""
+    u = _uniforms(r)
+    if isinstance(rate, list):
+        rate = torch.tensor(rate[:len(u)], dtype=torch.float64, device=u.device)
+    return (u < rate).tolist()
 
 
 def _verify_greedy(argmax: list[int], r: VerifyRequest, method: str, rate: float | None

@@ -47,3 +47,19 @@ def test_each_step_emits_accepted_plus_one_and_rolls_back_the_rest(llama_dir):
     while engine.has_unfinished_requests():
         outs = engine.step()
     assert outs[0].outputs[0].token_ids == truth and outs[0].finished
+
+
+def test_a_synthetic_acceptance_length_is_what_the_engine_measures(llama_dir, draft_dir):
+    """synthetic_acceptance_length 2.5 at K=3: rates [1, 0.5, 0], so tau = 2.5 on average."""
+    llm = LLM(str(llama_dir), device="cpu", speculative_config={
+        "model": str(draft_dir), "num_speculative_tokens": 3,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5})
+    prompts = [TokensPrompt(prompt_token_ids=[i + 1, i + 2, i + 3]) for i in range(8)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True),
+                 use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["spec_decode_num_drafts"] > 100
+    per_pos = [a / stats["spec_decode_num_drafts"]
+               for a in stats["spec_decode_num_accepted_tokens_per_pos"]]
+    assert per_pos[0] > 0.97 and 0.4 < per_pos[1] < 0.6 and per_pos[2] == 0
+    assert abs(stats["mean_acceptance_length"] - 2.5) < 0.1

@@ -101,6 +101,19 @@ def test_synthetic_acceptance_rate():
     assert (verify(logits[:4], reqs[:1], "synthetic", 1.0)[0, :3] == 1).all()
 
 
+def test_synthetic_rates_per_position():
+    """Conditional rates per position: [1, 1] accepts every draft (and the bonus), [0, 0] emits
+    one token a step, [1, 0.5] accepts the first always and the second half the time."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.zeros(3 * 400, V)
+    reqs = [VerifyRequest([1, 1], None, SamplingParams(temperature=0), gen) for _ in range(400)]
+    assert (verify(logits, reqs, "synthetic", [1.0, 1.0]) != PLACEHOLDER_TOKEN_ID).all()
+    out = verify(logits, reqs, "synthetic", [0.0, 0.0])
+    assert (out[:, 1:] == PLACEHOLDER_TOKEN_ID).all()
+    out = verify(logits, reqs, "synthetic", [1.0, 0.5])
+    assert (out[:, 0] == 1).all() and abs((out[:, 1] == 1).float().mean().item() - 0.5) < 0.08
+
+
 def _tree_hists(seed: int = 3, n: int = N):
     """Sampled verification of the tree root -> a, b; a -> c with fixed drafts: histograms of
     the first token, and of the second after a and after b, with the target rows they follow."""
