@@ -144,3 +144,20 @@ def test_synthetic_keys_need_synthetic():
     with pytest.raises(ValueError, match="synthetic_acceptance_length is only used with"):
         resolve_speculative_config({"method": "ngram", "num_speculative_tokens": 3,
                                     "synthetic_acceptance_length": 2})
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"method": "ngram", "suffix_decoding_max_tree_depth": 8},
+     "suffix_decoding_max_tree_depth applies to method 'suffix' only"),
+    ({"method": "eagle3", "model": "m", "draft_sample_method": "probabilistic"},
+     "draft_sample_method 'probabilistic' applies to draft_model, not 'eagle3'"),
+    ({"method": "draft_model", "model": "m", "rejection_sample_method": "probabilistic"},
+     "set draft_sample_method 'probabilistic'"),
+])
+def test_keys_a_method_would_ignore_are_refused(cfg, match):
+    """No key is accepted and then ignored: one that does nothing for the method is an error."""
+    with pytest.raises(ValueError, match=match):
+        resolve_speculative_config(cfg | {"num_speculative_tokens": 2})
+    ok = {"method": "draft_model", "model": "m", "num_speculative_tokens": 2,
+          "draft_sample_method": "probabilistic", "rejection_sample_method": "probabilistic"}
+    assert resolve_speculative_config(ok).rejection_sample_method == "probabilistic"

@@ -114,6 +114,13 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
                 "speculative_token_tree")
     _capability(bool(config.draft_confidence_threshold), spec, "steps_drafts",
                 "draft_confidence_threshold")
+    _capability(config.draft_sample_method == "probabilistic", spec, "samples_drafts",
+                "draft_sample_method 'probabilistic'")
+    if (config.rejection_sample_method == "probabilistic"
+            and config.draft_sample_method != "probabilistic"):
+        raise ValueError("rejection_sample_method 'probabilistic' tests drafts against the "
+                         "probabilities they were sampled with: set draft_sample_method "
+                         "'probabilistic' (draft_model), or use 'strict'")
     model_based = spec.needs_model or spec.reads_hidden_states
     if config.hybrid_prompt_lookup is not None and not model_based:
         raise ValueError(f"hybrid_prompt_lookup adds prompt lookup to a model-based drafter, "

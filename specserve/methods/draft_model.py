@@ -137,4 +137,4 @@ class DraftModelProposer(ProposerBase):
 
 
 SPEC = MethodSpec(name="draft_model", build=DraftModelProposer, needs_model=True,
-                  steps_drafts=True, summary="a small LM with the target's vocabulary")
+                  steps_drafts=True, samples_drafts=True, summary="a small LM with the target's vocabulary")

@@ -225,4 +225,6 @@ class SuffixProposer(ProposerBase):
 
 
 SPEC = MethodSpec(name="suffix", build=SuffixProposer,
+                  keys=("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+                        "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
                   summary="suffix decoding: suffix trees over the request and past responses")
