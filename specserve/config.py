@@ -139,7 +139,8 @@ class SpeculativeConfig:
         "help": "suffix: stop drafting below this running probability"})
     draft_tensor_parallel_size: int = field(default=1, metadata={"help": "must be 1 here"})
     max_model_len: int | None = field(default=None, metadata={
-        "help": "context limit while speculating; default min(draft, target)"})
+        "help": "the drafter's context: past it a request decodes on without drafts; at most "
+                "the target's and the drafter's own (default: the drafter's)"})
     rejection_sample_method: str = field(default="strict", metadata={
         "help": "strict (lossless, alias standard), probabilistic, synthetic (benchmarking)"})
     synthetic_acceptance_rate: float | None = field(default=None, metadata={

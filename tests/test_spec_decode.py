@@ -260,15 +260,28 @@ def test_vocab_mismatch_is_a_load_error(llama_dir, small_vocab_pair):
         LLM(str(llama_dir), speculative_config=cfg, device="cpu")
 
 
-def test_draft_context_limits_max_model_len(llama_dir, tmp_path):
+def test_past_the_drafts_context_requests_decode_on_without_drafts(llama_dir, tmp_path):
+    """A draft model's context (48) limits drafting only, as vLLM's: the request runs to the
+    target's context with the output it has without speculation."""
     make_hf_model("llama", tmp_path, seed=5, max_position_embeddings=48, hidden_size=32,
                   num_hidden_layers=1, intermediate_size=64)
     llm = LLM(str(llama_dir), device="cpu", speculative_config={
         "method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
-    assert llm.engine.max_model_len == 48
-    out = llm.generate(TokensPrompt(prompt_token_ids=list(range(40))), _greedy(100),
-                       use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) == 8
+    assert llm.engine.max_model_len == 256 and llm.engine.draft_max_len == 48
+    last_positions = []                 # the last position each draft step writes
+    propose = llm.engine.proposer.propose
+
+    def recording(batch):
+        props = propose(batch)
+        last_positions.extend(r.num_tokens + len(p.token_ids) - 2
+                              for r, p in zip(batch.requests, props))
+        return props
+    llm.engine.proposer.propose = recording
+    prompt = TokensPrompt(prompt_token_ids=list(range(40)))
+    ref = LLM(str(llama_dir), device="cpu").generate(prompt, _greedy(60), use_tqdm=False)[0]
+    out = llm.generate(prompt, _greedy(60), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == ref.outputs[0].token_ids and len(out.token_ids) == 60
+    assert last_positions and max(last_positions) <= 47    # inside the draft's 48 positions
 
 
 def test_synthetic_acceptance(llama_dir):
@@ -294,12 +307,18 @@ def test_disable_by_batch_size_keeps_greedy_output(llama_dir, draft_dir):
     assert batched_drafts < alone.get_stats()["spec_decode_num_drafts"]
 
 
-def test_spec_max_model_len_applies_to_every_method(llama_dir):
-    cfg = {"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 40}
+def test_spec_max_model_len_limits_drafting_only_for_every_method(llama_dir):
+    cfg = {"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 40,
+           "prompt_lookup_min": 1}
     llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
-    out = llm.generate(TokensPrompt(prompt_token_ids=list(range(36))), _greedy(100),
-                       use_tqdm=False)[0].outputs[0]
-    assert llm.engine.max_model_len == 40 and len(out.token_ids) == 4
+    prompt = TokensPrompt(prompt_token_ids=[3, 4] * 18)            # 36 tokens, all repeats
+    out = llm.generate(prompt, _greedy(20), use_tqdm=False)[0].outputs[0]
+    ref = LLM(str(llama_dir), device="cpu").generate(prompt, _greedy(20), use_tqdm=False)[0]
+    assert out.token_ids == ref.outputs[0].token_ids and len(out.token_ids) == 20
+    assert llm.get_stats()["spec_decode_num_draft_tokens"] <= 40 - 36
+    with pytest.raises(ValueError, match="max_model_len=300 is larger than the target's "
+                                         "context \\(256\\)"):
+        LLM(str(llama_dir), device="cpu", speculative_config=cfg | {"max_model_len": 300})
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])

@@ -76,15 +76,16 @@ class LLMEngine:
         self.spec = config.speculative_config
         self.proposer: Proposer | None = None
         caches = [self.cache]
+        # The drafter's context (speculative max_model_len, a draft model's own): past it a
+        # request decodes on without drafts. None: the target's.
+        self.draft_max_len: int | None = None
         if self.spec is not None:
-            if self.spec.max_model_len is not None:
-                self.max_model_len = min(self.max_model_len, self.spec.max_model_len)
             self.proposer = build_proposer(self.spec, DraftContext(
                 target=self.model, target_path=mc.model, device=self.device, dtype=self.dtype,
                 num_slots=sc.max_num_seqs, max_model_len=self.max_model_len,
                 vocab_size=self.vocab_size, backend=self.backend))
-            if self.proposer.max_model_len is not None:
-                self.max_model_len = min(self.max_model_len, self.proposer.max_model_len)
+            self.draft_max_len = self._draft_max_len(self.spec.max_model_len,
+                                                     self.proposer.max_model_len)
             caches += self.proposer.caches
             self.runner.aux_layers = self.proposer.aux_hidden_layers
         self.scheduler = Scheduler(sc, caches)
@@ -104,6 +105,17 @@ class LLMEngine:
         if mc.freeze_gc:        # opt-in: it is process-wide (see ModelConfig.freeze_gc)
             gc.collect()
             gc.freeze()
+
+    def _draft_max_len(self, given: int | None, drafter: int | None) -> int | None:
+        """speculative max_model_len: at most the target's and the drafter's own (vLLM's
+        rule); by default the drafter's."""
+        for limit, whose in ((self.max_model_len, "the target's context"),
+                             (drafter, "the drafter's own context")):
+            if given is not None and limit is not None and given > limit:
+                raise ValueError(f"speculative_config max_model_len={given} is larger than "
+                                 f"{whose} ({limit}); give at most {limit} or leave it out")
+        limit = given if given is not None else drafter
+        return limit if limit is not None and limit < self.max_model_len else None
 
     # ---- requests -------------------------------------------------------------------------
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -331,6 +343,8 @@ class LLMEngine:
                 continue
             num_decoding += 1
             room = min(k, r.max_new_tokens - 1)
+            if self.draft_max_len is not None:      # drafts stay inside the drafter's context
+                room = min(room, self.draft_max_len - r.num_tokens + 1)
             if room > 0:
                 r.spec_budget = k
                 reqs.append(r)

@@ -31,7 +31,7 @@ class _DraftState:
 class DraftModelProposer(ProposerBase):
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext) -> None:
         draft_cfg = load_hf_config(config.model)
-        # the engine caps its context at the draft's (the draft must see every token)
+        # past its context the engine decodes without drafts (the draft must see every token)
         self.max_model_len = limit = min(draft_cfg.get("max_position_embeddings", 2048),
                                          ctx.max_model_len)
         self.model = ctx.backend.prepare(load_model(config.model, ctx.dtype, ctx.device,
