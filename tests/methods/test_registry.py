@@ -67,3 +67,14 @@ def test_a_method_added_by_one_registry_entry_runs_losslessly(llama_dir, monkeyp
     got = llm.generate(prompts, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert llm.engine.proposer.calls > 0 and llm.get_stats()["spec_decode_num_drafts"] > 0
+
+
+def test_mtp_past_its_layers_warns_as_vllm_does(caplog):
+    import logging
+    caplog.set_level(logging.WARNING, logger="specserve")
+    LLM(str(ZOO / "code-target-mtp"), device="cpu",
+        speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    assert any("runs the MTP layer 3 times" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    LLM(str(ZOO / "code-target-mtp"), device="cpu", speculative_config={"method": "mtp"})
+    assert not any("MTP layer" in r.getMessage() for r in caplog.records)   # K = its 1 layer
