@@ -199,7 +199,7 @@ class SpeculativeConfig:
             self._check_tree()
         # None: the method's checkpoint may give it (methods.resolve), else it is required
         if self.num_speculative_tokens is not None:
-            self._check_k()
+            self.check_k()
         if self.suffix_decoding_max_tree_depth < 1:
             raise ValueError("suffix_decoding_max_tree_depth must be >= 1, got "
                              f"{self.suffix_decoding_max_tree_depth}")
@@ -255,7 +255,7 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive_k, bool):
             raise ValueError(f"adaptive_k must be true or false, got {self.adaptive_k!r}")
 
-    def _check_k(self) -> None:
+    def check_k(self) -> None:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be an int > 0, got "
                              f"{self.num_speculative_tokens!r}")

@@ -53,9 +53,8 @@ def detect_method(model: str | None, target: str | None = None) -> str:
     its directory name; no model with a target that has MTP layers is mtp; a plain LM is a
     draft model."""
     if model is None:
-        if target is not None and (Path(target) / "config.json").is_file() and \
-                json.loads((Path(target) / "config.json").read_text()).get(
-                    "num_nextn_predict_layers"):
+        if (target is not None and (Path(target) / "config.json").is_file()
+                and mtp.SPEC.default_k(target)):            # the target has MTP layers
             return mtp.SPEC.name
         raise ValueError("speculative_config needs 'method' (one of "
                          f"{', '.join(REGISTRY)}) or 'model'")
@@ -99,7 +98,7 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
         if config.num_speculative_tokens is None:
             raise ValueError("speculative_config needs 'num_speculative_tokens' (an int > 0)"
                              + (f"; {checkpoint} does not give one" if spec.default_k else ""))
-        config._check_k()
+        config.check_k()
     defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
     for other in REGISTRY.values():
         if other is spec:
