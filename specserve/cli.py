@@ -114,7 +114,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                             gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)),
                             draft_vocab=args.draft_vocab_size,
                             init=Path(args.init) if args.init else None,
-                            refresh_vocab=args.refresh_draft_vocab)
+                            refresh_vocab=args.refresh_draft_vocab,
+                            hidden_states=Path(args.hidden_states) if args.hidden_states else None)
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
     if args.kind == "lm":
@@ -202,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "frequent tokens of this run's training text, target-generated "
                         "continuations included) instead of keeping the init head's; its "
                         "lm_head rows carry over for the tokens both keep")
+    t.add_argument("--hidden-states", default=None,
+                   help="heads: train on the files speculative_config method "
+                        "extract_hidden_states wrote to this directory (served traffic) instead "
+                        "of corpus text; no target pass is run")
     t.add_argument("--vocab-size", type=int, default=8192, help="lm: BPE vocabulary size")
     add_dataclass_args(t, TrainConfig, skip=("work_dir",))
     add_dataclass_args(t, ModelShape)

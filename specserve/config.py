@@ -169,6 +169,15 @@ class SpeculativeConfig:
                 "last N or more tokens occurred earlier in its prompt or output drafts the "
                 "tokens that followed the longest such match, with no drafter pass; the "
                 "drafter drafts the others (None = off)"})
+    hidden_states_dir: str | None = field(default=None, metadata={
+        "help": "extract_hidden_states: the directory each finished request's hidden states "
+                "are written to (one safetensors file per request)"})
+    hidden_states_layers: list | None = field(default=None, metadata={
+        "help": "extract_hidden_states: target layers whose inputs are kept (default: the "
+                "EAGLE-3 layers 2, L/2, L-3)"})
+    hidden_states_max_bytes: int = field(default=1 << 30, metadata={
+        "help": "extract_hidden_states: stop writing once the directory's files reach this "
+                "size"})
     adaptive_k: bool = field(default=False, metadata={
         "help": "choose K per step (0..num_speculative_tokens) for the most tokens/s, from "
                 "measured acceptance and step times at the current batch size"})

@@ -24,6 +24,10 @@ def _draft(draft_dir) -> dict:
     return {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
 
 
+def _extract(p, name: str) -> dict:
+    return {"method": "extract_hidden_states", "hidden_states_dir": str(p.tmp / name)}
+
+
 def _run(llama_dir, spec: dict | None, temperature: float = 0.0, prompts=PROMPTS,
          rounds: int = 1) -> dict:
     llm = LLM(str(llama_dir), device="cpu", speculative_config=spec, max_num_seqs=4)
@@ -86,9 +90,15 @@ CASES = {
     "hybrid_prompt_lookup": (lambda p: _draft(p.draft), lambda p: _draft(p.draft) | {
         "hybrid_prompt_lookup": 1}, {}),
     "adaptive_k": (lambda p: NGRAM, lambda p: NGRAM | {"adaptive_k": True}, {}),
+    "hidden_states_layers": (lambda p: _extract(p, "a"),
+                             lambda p: _extract(p, "b") | {"hidden_states_layers": [0]}, {}),
+    "hidden_states_max_bytes": (lambda p: _extract(p, "a"),
+                                lambda p: _extract(p, "b") | {"hidden_states_max_bytes": 1}, {}),
 }
 # keys whose only valid value is the default: any other is refused
-REFUSED = {"draft_tensor_parallel_size": (2, "draft_tensor_parallel_size must be 1")}
+REFUSED = {"draft_tensor_parallel_size": (2, "draft_tensor_parallel_size must be 1"),
+           # what it does (where the files go) is tested in tests/train/test_heads.py
+           "hidden_states_dir": ("d", "applies to method 'extract_hidden_states' only")}
 
 
 def test_every_key_has_a_case():

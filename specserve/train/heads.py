@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import nn
 
 from specserve import methods
@@ -137,6 +139,59 @@ def head_loss(method: str, head: nn.Module, target, k: int, top1_weight: float =
     return fn
 
 
+def state_loss(method: str, head: nn.Module, target, k: int, top1_weight: float = 0.0):
+    """head_loss over a batch of extracted hidden states (`state_batches`) instead of a target
+    pass: the states and the target's distribution come from the files. A window's states saw
+    the request from its start (as when serving), not the window alone."""
+    def fn(b: dict[str, torch.Tensor]):
+        x = b["xy"][:, :-1]                                                # [B, S]
+        with torch.no_grad():
+            logits = target.compute_logits(b["hidden"]).float()            # [B, S, V]
+            if hasattr(head, "draft_to_target"):
+                logits = logits[..., head.draft_to_target()]
+            logp = F.log_softmax(logits, -1)
+        return _method_loss(method, head, x, b["positions"], b["hidden"], b["aux_hidden"], logp,
+                            k, top1_weight)
+    return fn
+
+
+def read_hidden_states(directory: Path) -> tuple[list[dict[str, torch.Tensor]], tuple[int, ...]]:
+    """The files `extract_hidden_states` wrote to `directory`, and the target layers they hold."""
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory} holds no .safetensors files; write some with "
+                         "speculative_config {\"method\": \"extract_hidden_states\", "
+                         "\"hidden_states_dir\": ...}")
+    data, layers = [], set()
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            layers.add(h.metadata()["layers"])
+        data.append(load_file(str(f)))
+    if len(layers) != 1:
+        raise ValueError(f"{directory} mixes files of different target layers {sorted(layers)}")
+    return data, tuple(json.loads(layers.pop()))
+
+
+def state_batches(data: list[dict[str, torch.Tensor]], cfg: TrainConfig, device: torch.device):
+    """batches(step) for `train`: random windows of seq_len + 1 tokens of the files with their
+    states (a function of (seed, step) only, so resume is exact)."""
+    long = [d for d in data if len(d["token_ids"]) > cfg.seq_len]
+    if not long:
+        raise ValueError(f"no hidden-state file holds more than --seq-len {cfg.seq_len} tokens; "
+                         "lower --seq-len")
+
+    def batch(step: int) -> dict[str, torch.Tensor]:
+        rng = np.random.default_rng([cfg.seed, step])
+        picks = [(long[i], int(rng.integers(0, len(long[i]["token_ids"]) - cfg.seq_len)))
+                 for i in rng.integers(0, len(long), size=cfg.batch_size)]
+        S = cfg.seq_len
+        return {"xy": torch.stack([d["token_ids"][s:s + S + 1] for d, s in picks]).to(device),
+                "positions": torch.stack([torch.arange(s, s + S) for _, s in picks]).to(device),
+                "aux_hidden": torch.stack([d["aux_hidden"][s:s + S] for d, s in picks]).to(device),
+                "hidden": torch.stack([d["hidden"][s:s + S] for d, s in picks]).to(device)}
+    return batch
+
+
 def joint_head_loss(heads: nn.ModuleDict, target, k: int, top1_weight: float = 0.0):
     """One loss for several heads that read the target's last hidden state: the target runs
     once per batch for all of them (the frozen target pass is most of a small head's step)."""
@@ -184,18 +239,20 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
 def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: int = 4,
                gen: GeneratedData | None = None, corpus: Corpus | None = None,
                draft_vocab: int | None = None, init: Path | None = None,
-               refresh_vocab: bool = False) -> dict:
+               refresh_vocab: bool = False, hidden_states: Path | None = None) -> dict:
     """Train a head for `target_dir` (starting from the head in `init` when given), write it to
-    `out`, return its tau evaluation."""
+    `out`, return its tau evaluation. With `hidden_states`, on the files `extract_hidden_states`
+    wrote there instead of corpus text."""
     return train_heads({method: out}, cfg, target_dir, k, gen, corpus, draft_vocab,
-                       {method: init} if init else None, refresh_vocab)[method]
+                       {method: init} if init else None, refresh_vocab, hidden_states)[method]
 
 
 def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: int = 4,
                 gen: GeneratedData | None = None, corpus: Corpus | None = None,
                 draft_vocab: int | None = None,
                 inits: dict[str, Path] | None = None,
-                refresh_vocab: bool = False) -> dict[str, dict]:
+                refresh_vocab: bool = False,
+                hidden_states: Path | None = None) -> dict[str, dict]:
     """Train a head of each method in `outs` (method -> output directory) on the same batches,
     write each in its format, return each one's tau evaluation ({} while unfinished; a
     "skipped" note where the checkpoint is already past this schedule). A method in `inits`
@@ -213,10 +270,20 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
     target = load_model(target_dir, torch.float32, device)
     for p in target.parameters():
         p.requires_grad_(False)
-    train_ids, _, _ = prepare_data(target_dir, work, corpus, 0)
-    ids = with_generated(train_ids, gen or GeneratedData(), target_dir, corpus, work, cfg.seed)
+    if hidden_states is not None:              # served traffic's states, no target pass
+        states, layers = read_hidden_states(hidden_states)
+        ids = torch.cat([d["token_ids"] for d in states]).numpy()
+    else:
+        train_ids, _, _ = prepare_data(target_dir, work, corpus, 0)
+        ids = with_generated(train_ids, gen or GeneratedData(), target_dir, corpus, work,
+                             cfg.seed)
     counts = np.bincount(ids, minlength=target.args.vocab_size)
     heads = nn.ModuleDict({m: build_head(m, target, k, draft_vocab, counts) for m in names})
+    if hidden_states is not None:
+        if len(names) > 1:
+            raise ValueError("--hidden-states trains one head at a time")
+        if hasattr(heads[names[0]], "aux_layers"):         # the layers the files hold
+            heads[names[0]].aux_layers = layers
     if len(names) > 1 and any(hasattr(h, "aux_layers") or hasattr(h, "d2t")
                               for h in heads.values()):
         raise ValueError("a head that reads other target layers or has its own vocabulary "
@@ -227,13 +294,18 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
     for m, head in heads.items():
         print(f"{m} head: {sum(p.numel() for p in head.parameters() if p.requires_grad) / 1e6:.2f}M "
               f"trainable parameters; {len(ids) / 1e6:.2f}M training tokens", flush=True)
-    if len(names) == 1:        # the head alone: its checkpoint keys stay the head's own
+    batches = None
+    if hidden_states is not None:
+        model = heads[names[0]]
+        loss_fn = state_loss(names[0], model, target, k, cfg.top1_weight)
+        batches = state_batches(states, cfg, device)
+    elif len(names) == 1:        # the head alone: its checkpoint keys stay the head's own
         model = heads[names[0]]
         loss_fn = head_loss(names[0], model, target, k, cfg.top1_weight)
     else:
         model, loss_fn = heads, joint_head_loss(heads, target, k, cfg.top1_weight)
         cfg = dataclasses.replace(cfg, grad_clip=cfg.grad_clip * len(names) ** 0.5)
-    log = train(model, ids, cfg, device, loss_fn)
+    log = train(model, ids, cfg, device, loss_fn, batches=batches)
     if not log or log[-1]["step"] < cfg.steps:
         return {m: {} for m in names}                  # stopped early: resume to finish
     if log[-1]["step"] > cfg.steps:                      # a later stage went past this one

@@ -174,11 +174,14 @@ def lm_loss(model, teacher=None, kd_alpha: float = 1.0) -> LossFn:
     return fn
 
 
-def train(model, train_tokens: np.ndarray, cfg: TrainConfig, device: torch.device,
-          loss_fn: LossFn, evaluate: Callable[[], dict[str, float]] | None = None) -> list[dict]:
+def train(model, train_tokens: np.ndarray | None, cfg: TrainConfig, device: torch.device,
+          loss_fn: LossFn, evaluate: Callable[[], dict[str, float]] | None = None,
+          batches: Callable[[int], object] | None = None) -> list[dict]:
     """Train the trainable parameters of `model` in place on batches of `train_tokens`.
 
-    `loss_fn` turns a batch [B, S + 1] into (loss, values to log); `evaluate` runs every
+    `loss_fn` turns a batch [B, S + 1] into (loss, values to log); `batches(step)`, when given,
+    makes each step's batch instead (any object `loss_fn` takes; a function of the step only,
+    so that a resumed run sees the same batches); `evaluate` runs every
     `eval_every` steps and at the end. Checkpoints go to `<work_dir>/checkpoint.safetensors` and
     a run resumes from there. Returns the log (one dict per step). Stops early, resumable,
     after `cfg.max_minutes`.
@@ -204,9 +207,10 @@ def train(model, train_tokens: np.ndarray, cfg: TrainConfig, device: torch.devic
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        xy = batch_at(train_tokens, step, cfg).to(device)
+        batch = (batches(step) if batches is not None
+                 else batch_at(train_tokens, step, cfg).to(device))
         with torch.autocast(**amp):
-            loss, values = loss_fn(xy)
+            loss, values = loss_fn(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

@@ -238,3 +238,107 @@ def test_heads_trained_together_share_one_target_pass(tiny_lm, small_corpus, tmp
         assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="train it alone"):
         train_heads({"eagle3": tmp_path / "a", "eagle": tmp_path / "b"}, cfg, target)
+
+
+def _extract(target: Path, out: Path) -> list:
+    """Serve a few greedy requests with extract_hidden_states writing to `out`."""
+    llm = LLM(str(target), device="cpu", speculative_config={
+        "method": "extract_hidden_states", "hidden_states_dir": str(out)})
+    prompts = ["def f(x):", "class A:\n    def", "import os\n"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        use_tqdm=False)
+    assert llm.get_stats()["hidden_state_files"] == 3
+    return outs
+
+
+def test_extracted_hidden_states_are_the_targets(tiny_lm, tmp_path):
+    from safetensors import safe_open
+
+    from specserve.models.loader import load_model
+    from specserve.train.trainer import _positions
+    target_dir, _, _ = tiny_lm
+    outs = _extract(target_dir, tmp_path / "states")
+    target = load_model(target_dir, torch.float32, torch.device("cpu"))
+    for o in outs:
+        path = tmp_path / "states" / f"{o.request_id}.safetensors"
+        t = load_file(str(path))
+        tokens = o.prompt_token_ids + o.outputs[0].token_ids
+        assert t["token_ids"].tolist() == tokens[:-1] + tokens[-1:] and \
+            t["hidden"].shape[0] == len(tokens) - 1      # every position whose KV was computed
+        with safe_open(str(path), "pt") as f:
+            layers = tuple(json.loads(f.metadata()["layers"]))
+        x = torch.tensor([tokens[:-1]])
+        with torch.no_grad():
+            h, aux = target(x, _positions(x), aux_layers=layers)
+        torch.testing.assert_close(t["hidden"], h[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(t["aux_hidden"], aux[0], atol=1e-4, rtol=1e-4)
+    assert not list((tmp_path / "states").glob("*.tmp"))          # none left half written
+
+
+def test_a_head_trained_from_extracted_states_equals_one_trained_from_the_text(tiny_lm,
+                                                                              tmp_path):
+    """One optimizer step on the files' states and one on the same token windows with the
+    target run on them give the same loss and the same head (windows from each request's
+    start: a later window's states saw the whole request before it, as when serving)."""
+    import copy
+
+    from specserve.models.loader import load_model
+    from specserve.train.heads import (build_head, head_loss, read_hidden_states, state_batches,
+                                       state_loss)
+    target_dir, _, _ = tiny_lm
+    _extract(target_dir, tmp_path / "states")
+    target = load_model(target_dir, torch.float32, torch.device("cpu")).requires_grad_(False)
+    states, layers = read_hidden_states(tmp_path / "states")
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=1, batch_size=3, seq_len=24,
+                      bf16=False, device="cpu")
+    S = cfg.seq_len
+    batch = {"xy": torch.stack([d["token_ids"][:S + 1] for d in states]),
+             "positions": torch.arange(S).expand(len(states), S),
+             "aux_hidden": torch.stack([d["aux_hidden"][:S] for d in states]),
+             "hidden": torch.stack([d["hidden"][:S] for d in states])}
+    random_batch = state_batches(states, cfg, torch.device("cpu"))(0)
+    assert random_batch["xy"].shape == (3, S + 1) and random_batch["positions"][0, 0] >= 0
+    heads = {}
+    for source in ("files", "text"):
+        torch.manual_seed(0)
+        head = build_head("eagle3", target, 2)
+        head.aux_layers = layers
+        fn = (state_loss("eagle3", head, target, 2) if source == "files"
+              else head_loss("eagle3", head, target, 2))
+        loss, _ = fn(batch if source == "files" else batch["xy"])
+        loss.backward()
+        with torch.no_grad():
+            for p in head.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+        heads[source] = (loss.item(), copy.deepcopy(head.state_dict()))
+    assert heads["files"][0] == pytest.approx(heads["text"][0], rel=1e-4)
+    for name, value in heads["files"][1].items():
+        torch.testing.assert_close(value, heads["text"][1][name], atol=1e-4, rtol=1e-3)
+
+
+def test_train_eagle3_from_hidden_states(tiny_lm, tmp_path):
+    from specserve.train.heads import train_head
+    target_dir, _, _ = tiny_lm
+    _extract(target_dir, tmp_path / "states")
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=4, batch_size=2, seq_len=24,
+                      lr=3e-3, warmup=1, eval_every=4, bf16=False, device="cpu")
+    result = train_head("eagle3", cfg, target_dir, tmp_path / "head", k=2,
+                        hidden_states=tmp_path / "states")
+    assert 1.0 <= result["tau"] <= 3.0
+    with pytest.raises(ValueError, match="holds no .safetensors files"):
+        train_head("eagle3", cfg, target_dir, tmp_path / "head2", k=2,
+                   hidden_states=tmp_path / "empty")
+
+
+def test_hidden_state_files_are_bounded_and_need_a_directory(tiny_lm, tmp_path):
+    target_dir, _, _ = tiny_lm
+    llm = LLM(str(target_dir), device="cpu", speculative_config={
+        "method": "extract_hidden_states", "hidden_states_dir": str(tmp_path / "s"),
+        "hidden_states_max_bytes": 1})
+    llm.generate(["def f(x):", "import os"], SamplingParams(temperature=0, max_tokens=8),
+                 use_tqdm=False)
+    assert len(list((tmp_path / "s").glob("*.safetensors"))) == 1      # then the bound held
+    with pytest.raises(ValueError, match="needs 'hidden_states_dir'"):
+        LLM(str(target_dir), device="cpu",
+            speculative_config={"method": "extract_hidden_states"})
