@@ -98,8 +98,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     from specserve.train.generated import GeneratedData
     from specserve.train.lm import ModelShape, train_draft, train_lm
     from specserve.train.trainer import TrainConfig
