@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ from specserve.models.backend import Backend
 __all__ = ["REGISTRY", "DraftContext", "MethodSpec", "Proposal", "ProposeBatch", "Proposer",
            "RunnerOutput", "build_proposer", "detect_method", "get", "head_methods", "load_head",
            "resolve", "resolve_speculative_config"]
+
+logger = logging.getLogger("specserve")
 
 # Detection checks methods in this order (eagle3 before eagle: "eagle3" contains "eagle").
 REGISTRY: dict[str, MethodSpec] = {s.name: s for s in (
@@ -91,14 +94,25 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
     if spec.needs_model and not config.model:
         raise ValueError(f"speculative_config method {spec.name!r} needs 'model': the path of "
                          "the draft model or head directory")
+    checkpoint = config.model or (target if spec.model_is_target else None)
+    n_predict = (spec.default_k(checkpoint)
+                 if spec.default_k is not None and checkpoint is not None else None)
     if config.num_speculative_tokens is None:
-        checkpoint = config.model or (target if spec.model_is_target else None)
-        if spec.default_k is not None and checkpoint is not None:
-            config.num_speculative_tokens = spec.default_k(checkpoint)
+        config.num_speculative_tokens = n_predict
         if config.num_speculative_tokens is None:
             raise ValueError("speculative_config needs 'num_speculative_tokens' (an int > 0)"
                              + (f"; {checkpoint} does not give one" if spec.default_k else ""))
         config.check_k()
+    k = config.num_speculative_tokens
+    # vLLM's rule for a chain (a tree's depth is checked by its proposer): the layers run in turn
+    if n_predict and k > n_predict and config.speculative_token_tree is None:
+        if k % n_predict:
+            raise ValueError(f"num_speculative_tokens={k} is more than the {n_predict} tokens "
+                             f"this {spec.name} checkpoint predicts, and not a multiple of it; "
+                             f"give {n_predict} or a multiple")
+        logger.warning("num_speculative_tokens=%d is %dx the %d this %s checkpoint predicts: "
+                       "its layers run in turn and later drafts are accepted less (vLLM warns "
+                       "the same)", k, k // n_predict, n_predict, spec.name)
     defaults = {f.name: f.default for f in dataclasses.fields(SpeculativeConfig)}
     for other in REGISTRY.values():
         if other is spec:

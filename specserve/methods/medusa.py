@@ -14,7 +14,7 @@ from torch import nn
 from specserve.config import SpeculativeConfig
 from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 from specserve.methods.checkpoints import assign_weights, check_target, write_head
-from specserve.methods.heads_common import check_k, last_hidden_rows
+from specserve.methods.heads_common import last_hidden_rows
 from specserve.models.loader import load_hf_config, read_state_dict
 from specserve.token_tree import node_depths
 
@@ -125,9 +125,7 @@ class MedusaProposer(ProposerBase):
         self.heads = ctx.backend.prepare(read(config.model, ctx.target))
         self.modules = {"heads": self.heads}
         self.tree = config.token_tree()             # None: draft a chain
-        if self.tree is None:
-            check_k("medusa", config.num_speculative_tokens, self.heads.num_heads)
-        elif self.tree.depth > self.heads.num_heads:
+        if self.tree is not None and self.tree.depth > self.heads.num_heads:
             raise ValueError(f"speculative_token_tree is {self.tree.depth} deep but this medusa "
                              f"checkpoint predicts {self.heads.num_heads} tokens; use a tree at "
                              f"most {self.heads.num_heads} deep")
@@ -139,7 +137,11 @@ class MedusaProposer(ProposerBase):
         hidden = batch.runner_output.hidden[last_hidden_rows(batch)]         # [B, H]
         logits = self.heads(hidden)                                          # [B, heads, V]
         if self.tree is None:
-            drafts = logits.argmax(dim=-1).tolist()                          # [B, num_heads]
+            best = logits.argmax(dim=-1)                                     # [B, num_heads]
+            k = max(batch.max_num_tokens)
+            if k > best.shape[1]:                 # K a multiple of the heads: they run in turn
+                best = best[:, [i % best.shape[1] for i in range(k)]]      # [B, K]
+            drafts = best.tolist()
             return [Proposal(d[:k]) for d, k in zip(drafts, batch.max_num_tokens)]
         # Each head's candidates do not depend on the drafts before them: a node at depth d
         # with rank r is head d-1's r-th best token.

@@ -5,7 +5,6 @@ block(eh_proj([enorm(embed(x_t+1)); hnorm(h_t)])), stored in the target checkpoi
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -29,8 +28,6 @@ from specserve.models.heads import StatefulHead
 from specserve.models.layers import RMSNorm
 from specserve.models.llama import DecoderLayer, LlamaArgs
 from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_dict
-
-logger = logging.getLogger("specserve")
 
 
 class MTPLayer(StatefulHead):
@@ -129,14 +126,7 @@ def loss(head: MTPLayer, x, pos, h, aux, logp, k: int, distill):
 
 
 def build(config: SpeculativeConfig, ctx: DraftContext) -> HeadProposer:
-    path = config.model or ctx.target_path
-    layers = load_hf_config(path).get("num_nextn_predict_layers") or 1
-    if config.num_speculative_tokens > layers:
-        logger.warning("num_speculative_tokens=%d runs the MTP layer %d times a step (the "
-                       "checkpoint has %d); later drafts are accepted less (vLLM warns the "
-                       "same)", config.num_speculative_tokens, config.num_speculative_tokens,
-                       layers)
-    return HeadProposer(config, ctx, read(path, ctx.target))
+    return HeadProposer(config, ctx, read(config.model or ctx.target_path, ctx.target))
 
 
 SPEC = MethodSpec(

@@ -260,8 +260,11 @@ def test_loaded_weights_match_the_files(heads, llama_dir):
 
 
 @pytest.mark.parametrize("maker, spec, match", [
-    (medusa_ckpt, {"num_speculative_tokens": 6}, "predicts 4 tokens; set num_speculative_tokens <= 4"),
-    (mlp_speculator_ckpt, {"num_speculative_tokens": 5}, "predicts 3 tokens"),
+    (medusa_ckpt, {"num_speculative_tokens": 6},
+     "more than the 4 tokens this medusa checkpoint predicts, and not a multiple"),
+    (mlp_speculator_ckpt, {"num_speculative_tokens": 5},
+     "more than the 3 tokens this mlp_speculator checkpoint predicts"),
+    (mlp_speculator_ckpt, {"num_speculative_tokens": 6}, "predicts 3 tokens; set"),
 ])
 def test_k_beyond_the_heads_is_an_error(maker, spec, match, tmp_path, llama_dir):
     path = maker(tmp_path / "h")

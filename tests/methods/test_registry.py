@@ -74,7 +74,37 @@ def test_mtp_past_its_layers_warns_as_vllm_does(caplog):
     caplog.set_level(logging.WARNING, logger="specserve")
     LLM(str(ZOO / "code-target-mtp"), device="cpu",
         speculative_config={"method": "mtp", "num_speculative_tokens": 3})
-    assert any("runs the MTP layer 3 times" in r.getMessage() for r in caplog.records)
+    assert any("3x the 1 this mtp checkpoint predicts" in r.getMessage() for r in caplog.records)
     caplog.clear()
     LLM(str(ZOO / "code-target-mtp"), device="cpu", speculative_config={"method": "mtp"})
-    assert not any("MTP layer" in r.getMessage() for r in caplog.records)   # K = its 1 layer
+    assert not any("predicts" in r.getMessage() for r in caplog.records)    # K = its 1 layer
+
+
+def test_k_past_n_predict_must_be_a_multiple_and_medusa_heads_run_in_turn(llama_dir, tmp_path):
+    from tests.methods.test_heads import medusa_ckpt
+    with pytest.raises(ValueError, match="more than the 4 tokens this medusa checkpoint "
+                                         "predicts, and not a multiple"):
+        methods.resolve_speculative_config({"model": str(ZOO / "code-target-medusa"),
+                                            "num_speculative_tokens": 6})
+    with pytest.raises(ValueError, match="predicts 4 tokens"):        # IBM's stages: no cycling
+        LLM(str(ZOO / "code-target"), device="cpu", speculative_config={
+            "model": str(ZOO / "code-target-mlp-speculator"), "num_speculative_tokens": 8})
+    path = medusa_ckpt(tmp_path / "m")
+    n = methods.resolve_speculative_config({"model": str(path)}).num_speculative_tokens
+    llm = LLM(str(llama_dir), device="cpu",
+              speculative_config={"model": str(path), "num_speculative_tokens": 2 * n})
+    recorded = []
+    propose = llm.engine.proposer.propose
+
+    def record(batch):
+        props = propose(batch)
+        recorded.extend(p.token_ids for p in props)
+        return props
+    llm.engine.proposer.propose = record
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ref = LLM(str(llama_dir), device="cpu").generate(
+        [TokensPrompt(prompt_token_ids=[3, 4, 5])], params, use_tqdm=False)
+    got = llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])], params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    full = [d for d in recorded if len(d) == 2 * n]
+    assert full and all(d[:n] == d[n:] for d in full)       # the heads' drafts again, in turn
