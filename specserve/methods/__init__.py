@@ -94,6 +94,8 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
     if spec.needs_model and not config.model:
         raise ValueError(f"speculative_config method {spec.name!r} needs 'model': the path of "
                          "the draft model or head directory")
+    if spec.configure is not None:            # its own keys (and defaults, K among them)
+        spec.configure(config)
     checkpoint = config.model or (target if spec.model_is_target else None)
     n_predict = (spec.default_k(checkpoint)
                  if spec.default_k is not None and checkpoint is not None else None)
@@ -102,10 +104,11 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
         if config.num_speculative_tokens is None:
             raise ValueError("speculative_config needs 'num_speculative_tokens' (an int > 0)"
                              + (f"; {checkpoint} does not give one" if spec.default_k else ""))
-        config.check_k()
+    config.check_k()
     k = config.num_speculative_tokens
     # vLLM's rule for a chain (a tree's depth is checked by its proposer): the layers run in turn
-    if n_predict and k > n_predict and config.speculative_token_tree is None:
+    if (n_predict and k > n_predict and config.speculative_token_tree is None
+            and spec.reads_hidden_states):
         if k % n_predict:
             raise ValueError(f"num_speculative_tokens={k} is more than the {n_predict} tokens "
                              f"this {spec.name} checkpoint predicts, and not a multiple of it; "
@@ -120,8 +123,6 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
         for key in other.keys:
             if getattr(config, key) != defaults[key]:
                 raise ValueError(f"{key} applies to method {other.name!r} only")
-    if spec.configure is not None:
-        spec.configure(config)
     config.synthetic_rates()                  # checks the synthetic schedule now that K is known
     _capability(config.speculative_token_tree is not None, spec, "drafts_trees",
                 "speculative_token_tree")

@@ -224,7 +224,13 @@ class SuffixProposer(ProposerBase):
             self.global_tree.add(old, delta=-1)
 
 
-SPEC = MethodSpec(name="suffix", build=SuffixProposer,
+def configure(config: SpeculativeConfig) -> None:
+    """K defaults to the tree depth, as vLLM's."""
+    if config.num_speculative_tokens is None:
+        config.num_speculative_tokens = config.suffix_decoding_max_tree_depth
+
+
+SPEC = MethodSpec(name="suffix", build=SuffixProposer, configure=configure,
                   keys=("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
                         "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"),
                   summary="suffix decoding: suffix trees over the request and past responses")

@@ -31,6 +31,8 @@ def test_every_method_has_one_complete_record():
     ({"model": str(ZOO / "code-target-mlp-speculator")}, None, 4),      # n_predict
     ({"method": "mtp"}, str(ZOO / "code-target-mtp"), 1),               # MTP layers
     ({"model": str(ZOO / "code-target-medusa"), "num_speculative_tokens": 2}, None, 2),
+    ({"method": "suffix"}, None, 24),                                   # the tree depth
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 8}, None, 8),
 ])
 def test_k_comes_from_the_checkpoint_when_left_out(spec, target, k):
     assert methods.resolve_speculative_config(spec, target).num_speculative_tokens == k
