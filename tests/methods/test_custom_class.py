@@ -34,9 +34,10 @@ def test_the_examples_dictionary_proposer_is_lossless(monkeypatch):
 
 
 def test_the_example_script_runs():
+    import os
     import subprocess
     out = subprocess.run([sys.executable, "examples/custom_proposer.py"], cwd=REPO,
-                         env={"PYTHONPATH": "examples", "PATH": ""}, capture_output=True,
+                         env=os.environ | {"PYTHONPATH": "examples"}, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "steps drafted from the dictionary" in out.stdout
