@@ -51,8 +51,8 @@ class ModelConfig:
     freeze_gc: bool = field(default=False, metadata={
         "help": "move everything alive once the engine is built (models, caches, tokenizer) "
                 "out of Python's garbage collector (gc.freeze), so that its collections during "
-                "decoding stop walking them: batch-1 EAGLE-3 about 9%% faster on a 2-core CPU. "
-                "It changes the collector of the whole process, so it is off unless asked"})
+                "decoding stop walking them (the benchmarks turn it on). It changes the "
+                "collector of the whole process, so it is off unless asked"})
 
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)

@@ -89,12 +89,8 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} messages) or to
         several, each rendered with the model's chat template first (as vLLM's LLM.chat)."""
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise ValueError("this model has no tokenizer (no tokenizer.json), so chat is not "
-                             "available; use generate() with token ids")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tokenizer.apply_chat_template(list(c), add_generation_prompt)
+        prompts = [self.engine.chat_prompt(list(c), add_generation_prompt)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

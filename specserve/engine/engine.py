@@ -81,9 +81,9 @@ class LLMEngine:
         self.draft_max_len: int | None = None
         if self.spec is not None:
             self.proposer = build_proposer(self.spec, DraftContext(
-                target=self.model, target_path=mc.model, device=self.device, dtype=self.dtype,
-                num_slots=sc.max_num_seqs, max_model_len=self.max_model_len,
-                vocab_size=self.vocab_size, backend=self.backend))
+                target=self.model, target_path=mc.model, num_slots=sc.max_num_seqs,
+                max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                backend=self.backend))
             self.draft_max_len = self._draft_max_len(self.spec.max_model_len,
                                                      self.proposer.max_model_len)
             caches += self.proposer.caches
@@ -95,6 +95,8 @@ class LLMEngine:
         logger.info("backend: %s; %s, %d threads", "; ".join(parts), mc.dtype,
                     torch.get_num_threads())
         self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec else 0
+        self.verify_method = self.spec.rejection_sample_method if self.spec else "strict"
+        self.synthetic_rates = self.spec.synthetic_rates() if self.spec else None
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens)
         self.adaptive_k = (AdaptiveK(self.num_spec_tokens)
                            if self.spec is not None and self.spec.adaptive_k else None)
@@ -139,6 +141,14 @@ class LLMEngine:
                              f"(max_model_len) is {self.max_model_len}: shorten the prompt so "
                              "that at least one token can be generated")
         return ids
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """A conversation rendered with the model's chat template (ValueError when it has
+        none)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (no tokenizer.json), so chat is not "
+                             "available; give token ids as the prompt")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
@@ -189,10 +199,9 @@ class LLMEngine:
                                    b.request.generator,
                                    b.request.spec_parents if b.num_spec_tokens else None)
                      for _, b in sampled]
-            method = self.spec.rejection_sample_method if self.spec else "strict"
-            rate = self.spec.synthetic_rates() if self.spec else None
             errors: dict[int, Exception] = {}
-            tokens = verify(out.logits, vreqs, method, rate, errors).tolist()
+            tokens = verify(out.logits, vreqs, self.verify_method, self.synthetic_rates,
+                            errors).tolist()
             row = 0
             for n, ((i, b), v, toks) in enumerate(zip(sampled, vreqs, tokens)):
                 logits = out.logits[row:row + b.num_sample_rows]
@@ -319,13 +328,17 @@ class LLMEngine:
             except Exception:       # the request is gone anyway; the proposer's state of it too
                 logger.exception("proposer.finish failed for request %s", req.request_id)
 
-    def _fail(self, req: Request, stage: str, error: Exception) -> None:
-        """Abort one request whose own work raised; the rest of the batch carries on. The
-        request leaves the engine at the end of this step (finish_reason "error")."""
+    def _fail(self, req: Request, stage: str, error: Exception, now: bool = False) -> None:
+        """Abort one request whose own work raised; the rest of the batch carries on
+        (finish_reason "error"). It leaves the engine with the step's other finished requests,
+        or at once with `now` (drafting comes after those have left)."""
         logger.error("request %s failed in %s; aborting it alone", req.request_id, stage,
                      exc_info=error)
         self._stop(req, "error", None)
         req.error = f"the request failed in {stage}: {type(error).__name__}: {error}"
+        if now:
+            self.requests.pop(req.request_id, None)
+            self._finish(req)
 
     def _propose(self, batch: list[ScheduledRequest], out: RunnerOutput) -> tuple[int, int]:
         """Drafts for the requests that decode next step; returns (how many requests decode
@@ -358,16 +371,12 @@ class LLMEngine:
             # engine goes on for the others.
             for b in batch:
                 if not b.request.is_finished:
-                    self._fail(b.request, "drafting (proposer.propose)", e)
-                    self.requests.pop(b.request.request_id, None)
-                    self._finish(b.request)
+                    self._fail(b.request, "drafting (proposer.propose)", e, now=True)
             return num_decoding, k
         for r, prop, room in zip(reqs, proposals, budgets):
             problem = self._check_proposal(prop, room)
             if problem is not None:
-                self._fail(r, "drafting", ValueError(problem))
-                self.requests.pop(r.request_id, None)
-                self._finish(r)
+                self._fail(r, "drafting", ValueError(problem), now=True)
                 continue
             r.spec_token_ids = list(prop.token_ids)
             r.spec_token_probs = prop.probs

@@ -109,6 +109,11 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
     # vLLM's rule for a chain (a tree's depth is checked by its proposer): the layers run in turn
     if (n_predict and k > n_predict and config.speculative_token_tree is None
             and spec.reads_hidden_states):
+        if not spec.repeats_layers:
+            raise ValueError(f"num_speculative_tokens={k} is more than the {n_predict} tokens "
+                             f"this {spec.name} checkpoint predicts, and its stages cannot run "
+                             f"in turn (it predicts {n_predict} tokens; set "
+                             f"num_speculative_tokens <= {n_predict})")
         if k % n_predict:
             raise ValueError(f"num_speculative_tokens={k} is more than the {n_predict} tokens "
                              f"this {spec.name} checkpoint predicts, and not a multiple of it; "

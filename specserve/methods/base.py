@@ -61,12 +61,18 @@ class DraftContext:
 
     target: nn.Module               # the target model: heads share its embedding and lm_head
     target_path: str                # its directory (MTP layers live in its checkpoint)
-    device: torch.device
-    dtype: torch.dtype
     num_slots: int                  # KV slots (most requests running at once)
     max_model_len: int              # the target's context length
     vocab_size: int
     backend: Backend                # the target's: drafters prepare their modules with it
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backend.dtype
 
     @property
     def num_target_layers(self) -> int:
@@ -169,6 +175,8 @@ class MethodSpec:
     keys: tuple[str, ...] = ()                # speculative_config keys only this method takes
     # the K its checkpoint (a directory) gives when num_speculative_tokens is left out
     default_k: Callable[[str], int | None] | None = None
+    # a larger K (a multiple of that) runs the checkpoint's heads or layers in turn
+    repeats_layers: bool = False
     # fills in and checks this method's keys (in place)
     configure: Callable[[SpeculativeConfig], None] | None = None
     # Heads (methods with a trainable module on the target): a fresh head for training

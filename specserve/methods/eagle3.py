@@ -99,6 +99,11 @@ class Eagle3Head(StatefulHead):
         return full.index_copy(1, self.draft_to_target(), draft)
 
 
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers a new EAGLE-3 head reads: early, middle, late (2, L/2, L-3)."""
+    return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
+
+
 def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
              token_counts: np.ndarray | None = None) -> Eagle3Head:
     """A fresh head; with `draft_vocab` < the target's vocabulary it keeps the `draft_vocab`
@@ -111,8 +116,7 @@ def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
             raise ValueError("a reduced eagle3 draft vocabulary needs token counts")
         ids = torch.from_numpy(np.sort(np.argsort(-token_counts, kind="stable")[:n]))
         head.d2t.copy_(ids - torch.arange(n))
-    L = a.num_hidden_layers
-    head.aux_layers = (min(2, L - 1), L // 2, max(0, L - 3))
+    head.aux_layers = default_aux_layers(a.num_hidden_layers)
     return head
 
 

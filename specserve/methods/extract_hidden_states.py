@@ -22,13 +22,9 @@ from safetensors.torch import save_file
 
 from specserve.config import SpeculativeConfig
 from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
+from specserve.methods.eagle3 import default_aux_layers
 
 logger = logging.getLogger("specserve")
-
-
-def default_layers(num_layers: int) -> tuple[int, ...]:
-    """The layers an EAGLE-3 head reads (as `eagle3.new_head` chooses them)."""
-    return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
 
 
 class HiddenStateWriter(ProposerBase):
@@ -37,7 +33,7 @@ class HiddenStateWriter(ProposerBase):
             raise ValueError("extract_hidden_states needs 'hidden_states_dir': the directory "
                              "to write the hidden states to")
         L = ctx.num_target_layers
-        layers = tuple(config.hidden_states_layers or default_layers(L))
+        layers = tuple(config.hidden_states_layers or default_aux_layers(L))
         if not all(isinstance(x, int) and 0 <= x < L for x in layers):
             raise ValueError(f"hidden_states_layers must be target layers in [0, {L}), got "
                              f"{list(layers)}")

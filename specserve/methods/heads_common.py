@@ -14,8 +14,3 @@ def last_hidden_rows(batch: ProposeBatch) -> torch.Tensor:
     rows = [out.rows(index[id(r)], r.num_computed_tokens)[1] - 1 for r in batch.requests]
     return torch.tensor(rows, dtype=torch.long, device=out.hidden.device)
 
-
-def check_k(method: str, k: int, available: int) -> None:
-    if k > available:
-        raise ValueError(f"num_speculative_tokens={k} but this {method} checkpoint predicts "
-                         f"{available} tokens; set num_speculative_tokens <= {available}")

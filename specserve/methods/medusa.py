@@ -138,9 +138,9 @@ class MedusaProposer(ProposerBase):
         logits = self.heads(hidden)                                          # [B, heads, V]
         if self.tree is None:
             best = logits.argmax(dim=-1)                                     # [B, num_heads]
-            k = max(batch.max_num_tokens)
-            if k > best.shape[1]:                 # K a multiple of the heads: they run in turn
-                best = best[:, [i % best.shape[1] for i in range(k)]]      # [B, K]
+            n = max(batch.max_num_tokens)
+            if n > best.shape[1]:                 # K a multiple of the heads: they run in turn
+                best = best[:, [i % best.shape[1] for i in range(n)]]      # [B, K]
             drafts = best.tolist()
             return [Proposal(d[:k]) for d, k in zip(drafts, batch.max_num_tokens)]
         # Each head's candidates do not depend on the drafts before them: a node at depth d
@@ -163,4 +163,4 @@ def default_k(path: str) -> int | None:
 SPEC = MethodSpec(
     name="medusa", build=MedusaProposer, summary="Medusa heads on the target's last hidden state",
     detect=("medusa",), needs_model=True, reads_hidden_states=True, drafts_trees=True,
-    default_k=default_k, new_head=new_head, read=read, write=write, loss=loss)
+    default_k=default_k, repeats_layers=True, new_head=new_head, read=read, write=write, loss=loss)

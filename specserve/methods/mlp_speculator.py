@@ -13,7 +13,7 @@ from torch import nn
 from specserve.config import SpeculativeConfig
 from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 from specserve.methods.checkpoints import assign_weights, check_target, write_head
-from specserve.methods.heads_common import check_k, last_hidden_rows
+from specserve.methods.heads_common import last_hidden_rows
 from specserve.models.loader import load_hf_config, read_state_dict
 
 INNER_DIM = 256         # the state width of trained speculators: its two vocab matrices dominate
@@ -114,7 +114,6 @@ class MLPSpeculatorProposer(ProposerBase):
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext) -> None:
         self.spec = ctx.backend.prepare(read(config.model, ctx.target))
         self.modules = {"speculator": self.spec}
-        check_k("mlp_speculator", config.num_speculative_tokens, self.spec.n_predict)
         self.device = ctx.device
 
     @torch.inference_mode()

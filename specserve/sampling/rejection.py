@@ -79,22 +79,20 @@ def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "stric
             p0 += n
 
     for i, r in enumerate(reqs):
-        emitted: list[int] = []
-        if errors is None:
+        try:
             emitted = _verify_one(i, r, offsets[i], argmax, probs_of, method,
                                   synthetic_acceptance_rate)
-        else:
-            try:
-                emitted = _verify_one(i, r, offsets[i], argmax, probs_of, method,
-                                      synthetic_acceptance_rate)
-            except Exception as e:
-                errors[i] = e
+        except Exception as e:
+            if errors is None:
+                raise
+            errors[i], emitted = e, []
         out.append(emitted + [PLACEHOLDER_TOKEN_ID] * (max_k + 1 - len(emitted)))
     return torch.tensor(out, dtype=torch.long)
 
 
-def _verify_one(i: int, r: VerifyRequest, offset: int, argmax: list[int] | None,
-                probs_of: dict[int, torch.Tensor], method: str, rate: float | None) -> list[int]:
+def _verify_one(i: int, r: VerifyRequest, offset: int, argmax: list[int],
+                probs_of: dict[int, torch.Tensor], method: str,
+                rate: float | list[float] | None) -> list[int]:
     """Tokens request i emits: argmax holds every row's greedy token, probs_of its processed
     target rows when it samples."""
     k = len(r.draft_token_ids)

@@ -179,10 +179,11 @@ class _Server:
                     yield out
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        except (RequestFailedError, EngineDeadError) as e:
+        except EngineDeadError as e:
             reason = "error"
-            if isinstance(e, EngineDeadError):
-                raise APIError(503, str(e), "server_error", "engine_dead") from None
+            raise APIError(503, str(e), "server_error", "engine_dead") from None
+        except RequestFailedError:
+            reason = "error"
             raise APIError(500, f"the request failed inside the engine (request id "
                            f"{request_id}); the server log has the details; other requests "
                            "are unaffected", "server_error") from None
@@ -275,10 +276,8 @@ class _Server:
 
     async def chat_completions(self, request: Request):
         req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
-        if self.engine.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so chat is not available")
         try:
-            prompt = self.engine.tokenizer.apply_chat_template(
+            prompt = self.engine.chat_prompt(
                 [{"role": m.role, "content": m.text()} for m in req.messages])
         except ValueError as e:
             raise APIError(400, str(e)) from None

@@ -18,8 +18,8 @@ CPU = torch.device("cpu")
 
 def _ctx(target_dir, max_model_len: int = 200) -> DraftContext:
     target = load_model(target_dir, torch.float32, CPU)
-    return DraftContext(target=target, target_path=str(target_dir), device=CPU,
-                        dtype=torch.float32, num_slots=3, max_model_len=max_model_len,
+    return DraftContext(target=target, target_path=str(target_dir), num_slots=3,
+                        max_model_len=max_model_len,
                         vocab_size=target.args.vocab_size,
                         backend=Backend(CPU, torch.float32, cpu_kernel=True))
 

@@ -263,8 +263,8 @@ def test_extracted_hidden_states_are_the_targets(tiny_lm, tmp_path):
         path = tmp_path / "states" / f"{o.request_id}.safetensors"
         t = load_file(str(path))
         tokens = o.prompt_token_ids + o.outputs[0].token_ids
-        assert t["token_ids"].tolist() == tokens[:-1] + tokens[-1:] and \
-            t["hidden"].shape[0] == len(tokens) - 1      # every position whose KV was computed
+        assert t["token_ids"].tolist() == tokens
+        assert t["hidden"].shape[0] == len(tokens) - 1      # every position whose KV was computed
         with safe_open(str(path), "pt") as f:
             layers = tuple(json.loads(f.metadata()["layers"]))
         x = torch.tensor([tokens[:-1]])

@@ -299,8 +299,8 @@ class _Chain:
         if not all(t is None or (t.is_contiguous() and t.device.type == "cpu") for t in tensors):
             raise ValueError(f"{type(self).__name__}: every tensor must be contiguous on the CPU")
         self.lib, self._keep = lib, tensors         # the pointers stay valid while these live
-        # rotary rows and KV positions: the C code indexes both unchecked (a chain writes
-        # positions[b] .. positions[b] + budgets[b] - 2)
+        # rotary rows and KV positions a chain may write (positions[b] .. positions[b] +
+        # budgets[b] - 2); the C side checks the KV length again, not the rotary table
         self.max_positions = min(cos_sin.shape[0], *(k.shape[2] for k, _ in caches))
         self.ptrs = [None if t is None else t.data_ptr() for t in tensors]
 
@@ -318,7 +318,7 @@ class _Chain:
         return [t[:n] for t, n in zip(tokens.tolist(), ints[2].tolist())]
 
     def _check_end(self, end: int, what: str) -> None:
-        """Refuse positions from `end` on (the C code indexes rotary rows and KV unchecked)."""
+        """Refuse positions from `end` on (the C code reads rotary rows unchecked)."""
         if end > self.max_positions:
             raise ValueError(f"{type(self).__name__}: {what} positions past the "
                              f"{self.max_positions} of the rotary table or KV cache")
