@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.models.layers import backend_name, use_decode_linears
+from specserve.kernels.cpu import cpu_features, max_rows
+from specserve.models.layers import DecodeLinear, use_decode_linears
 
 
 @dataclass(frozen=True)
@@ -27,4 +28,11 @@ class Backend:
     @staticmethod
     def describe(model: nn.Module) -> str:
         """Which path a prepared model's steps take (the engine logs it)."""
-        return backend_name(model)
+        w = next(model.parameters())
+        if w.device.type != "cpu":
+            return w.device.type
+        linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
+        lib = next((m.lib for m in linears if m.lib is not None), None)
+        if lib is not None:
+            return f"cpu kernel ({cpu_features(lib)}, steps up to {max_rows(lib)} rows)"
+        return "pytorch cpu (oneDNN linears)" if linears else "pytorch cpu"

@@ -16,7 +16,6 @@ from torch import nn
 
 from specserve.kernels.cpu import (
     CpuLayer,
-    cpu_features,
     linear_rows,
     load_library,
     max_rows,
@@ -313,18 +312,6 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
             if hasattr(module, "kernel_forward"):
                 module.cpu_forward = module.kernel_forward()
     return model
-
-
-def backend_name(model: nn.Module) -> str:
-    """Which path `model`'s steps take, as chosen by use_decode_linears (for the engine's log)."""
-    w = next(model.parameters())
-    if w.device.type != "cpu":
-        return w.device.type
-    linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
-    lib = next((m.lib for m in linears if m.lib is not None), None)
-    if lib is not None:
-        return f"cpu kernel ({cpu_features(lib)}, steps up to {max_rows(lib)} rows)"
-    return "pytorch cpu (oneDNN linears)" if linears else "pytorch cpu"
 
 
 def _onednn_linear_available(dtype: torch.dtype) -> bool:
