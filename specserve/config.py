@@ -48,6 +48,9 @@ class ModelConfig:
         "help": "float32 or bfloat16 on the CPU: run decode, verify and prompt steps (up to "
                 "512 rows with AVX-512, 48 with AVX2) in specserve's compiled kernel (built "
                 "with the C compiler on first use; the PyTorch path runs where it cannot be)"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "CUDA: run every step eagerly instead of replaying CUDA graphs captured for "
+                "decode, verify and draft-chain steps (vLLM's flag)"})
     freeze_gc: bool = field(default=False, metadata={
         "help": "move everything alive once the engine is built (models, caches, tokenizer) "
                 "out of Python's garbage collector (gc.freeze), so that its collections during "

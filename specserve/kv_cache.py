@@ -13,8 +13,12 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: torch.device,
+                 scratch_slot: bool = False) -> None:
+        # scratch_slot: one more slot that is never allocated, where the padding rows of a
+        # CUDA graph's batch write their KV
+        self.scratch = num_slots if scratch_slot else None
+        shape = (num_slots + scratch_slot, num_kv_heads, max_len, head_dim)
         # per layer: (keys, values), each [num_slots, num_kv_heads, max_len, head_dim]
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
                         torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]

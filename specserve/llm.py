@@ -10,8 +10,8 @@ from tqdm import tqdm
 from specserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from specserve.engine.engine import LLMEngine
 from specserve.inputs import PromptType
-from specserve.metrics import Metric
 from specserve.methods import resolve_speculative_config
+from specserve.metrics import Metric
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 

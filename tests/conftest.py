@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 VOCAB = 96
+# Where the engine and training tests run: the CPU in CI; `SPECSERVE_TEST_DEVICE=cuda` runs them
+# on a GPU (tests of the CPU kernel itself stay on the CPU).
+DEVICE = os.environ.get("SPECSERVE_TEST_DEVICE", "cpu")
 
 # Tiny models: one thread is fastest, and avoids OpenMP oversubscription on shared machines.
 torch.set_num_threads(1)

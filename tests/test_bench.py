@@ -8,6 +8,7 @@ import pytest
 
 from specserve import SamplingParams, TokensPrompt
 from specserve.bench.methods import add_common_args, configs
+from tests.conftest import DEVICE
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -229,7 +230,7 @@ def test_hybrid_runner_notes_the_share_of_lookup_drafts(llama_dir, draft_dir):
 def test_prompt_ms_times_a_prompt_of_the_given_length(llama_dir):
     from specserve import LLM
     from specserve.bench.probes import prompt_ms
-    llm = LLM(str(llama_dir), device="cpu")
+    llm = LLM(str(llama_dir), device=DEVICE)
     fed = []
     model_forward = llm.engine.model.forward
     llm.engine.model.forward = lambda ids, *a, **k: fed.append(len(ids)) or model_forward(

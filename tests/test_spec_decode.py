@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
-from tests.conftest import make_hf_model
+from tests.conftest import DEVICE, make_hf_model
 
 K = 3
 
@@ -42,9 +42,9 @@ def _greedy(max_tokens=30, **kw):
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "hybrid"])
 def test_greedy_equality_batch_1(method, llama_dir, draft_dir):
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4, seed=1)]
-    base = LLM(str(llama_dir), device="cpu")
+    base = LLM(str(llama_dir), device=DEVICE)
     ref = [base.generate(p, _greedy(), use_tqdm=False)[0].outputs[0].token_ids for p in ps]
-    spec = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)[method], device="cpu")
+    spec = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)[method], device=DEVICE)
     got = [spec.generate(p, _greedy(), use_tqdm=False)[0].outputs[0].token_ids for p in ps]
     assert got == ref
     assert spec.get_stats()["spec_decode_num_draft_tokens"] > 0
@@ -55,7 +55,7 @@ def test_greedy_equality_mixed_batch(method, llama_dir, draft_dir):
     """>= 16 mixed requests: different lengths, early stops (stop token / EOS), long ones near
     max_model_len, and random requests sharing the batch."""
     ps = repetitive_prompts(18, seed=2)
-    base = LLM(str(llama_dir), device="cpu", max_model_len=64, max_num_seqs=8)
+    base = LLM(str(llama_dir), device=DEVICE, max_model_len=64, max_num_seqs=8)
     free = [o.outputs[0].token_ids for o in base.generate(
         [TokensPrompt(prompt_token_ids=p) for p in ps], _greedy(40), use_tqdm=False)]
     params = []
@@ -71,7 +71,7 @@ def test_greedy_equality_mixed_batch(method, llama_dir, draft_dir):
     prompts = [TokensPrompt(prompt_token_ids=p) for p in ps]
     prompts[4] = TokensPrompt(prompt_token_ids=(ps[4] * 20)[:60])    # near max_model_len
     ref = base.generate(prompts, params, use_tqdm=False)
-    spec = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)[method], device="cpu",
+    spec = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)[method], device=DEVICE,
                max_model_len=64, max_num_seqs=8)
     got = spec.generate(prompts, params, use_tqdm=False)
     for i, (r, g) in enumerate(zip(ref, got)):
@@ -87,7 +87,7 @@ def test_greedy_equality_mixed_batch(method, llama_dir, draft_dir):
 
 def test_draft_equal_to_target_accepts_everything(llama_dir):
     spec = {"method": "draft_model", "model": str(llama_dir), "num_speculative_tokens": K}
-    llm = LLM(str(llama_dir), speculative_config=spec, device="cpu")
+    llm = LLM(str(llama_dir), speculative_config=spec, device=DEVICE)
     steps = 6
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(3)],
                         _greedy(1 + steps * (K + 1)), use_tqdm=False)
@@ -101,7 +101,7 @@ def test_draft_equal_to_target_accepts_everything(llama_dir):
 
 
 def test_spec_metrics_are_consistent(llama_dir, draft_dir):
-    llm = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)["ngram"], device="cpu")
+    llm = LLM(str(llama_dir), speculative_config=spec_configs(draft_dir)["ngram"], device=DEVICE)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(5)],
                         _greedy(), use_tqdm=False)
     m = llm.get_stats()
@@ -175,7 +175,7 @@ def exact_pairs(small_vocab_pair):
 
 
 def test_no_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs):
-    llm = LLM(str(small_vocab_pair[0]), device="cpu", max_num_seqs=64, max_num_batched_tokens=512)
+    llm = LLM(str(small_vocab_pair[0]), device=DEVICE, max_num_seqs=64, max_num_batched_tokens=512)
     tv = 0.5 * (_token_hist(llm, N_SAMPLES, 0) - exact_pairs).abs().sum().item()
     assert tv < TV_BOUND, f"total variation {tv:.3f}"
 
@@ -191,7 +191,7 @@ def test_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs,
     target, draft = small_vocab_pair
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
             "rejection_sample_method": rejection, "draft_sample_method": draft_sample} | extra
-    llm = LLM(str(target), speculative_config=spec, device="cpu", max_num_seqs=64,
+    llm = LLM(str(target), speculative_config=spec, device=DEVICE, max_num_seqs=64,
               max_num_batched_tokens=512)
     prompt = [4, 5, 6, 1, 2] if extra else PROMPT8
     exact = _exact_pair_distribution(target, prompt) if extra else exact_pairs
@@ -213,7 +213,7 @@ def test_eagle3_sampling_matches_exact_distribution(small_vocab_pair, exact_pair
     second-best branch must also keep the distribution."""
     from tests.methods.test_heads import eagle3_ckpt
     head = eagle3_ckpt(tmp_path / "e3", draft_vocab=5, vocab=8, seed=seed)
-    llm = LLM(str(small_vocab_pair[0]), device="cpu", max_num_seqs=64, max_num_batched_tokens=512,
+    llm = LLM(str(small_vocab_pair[0]), device=DEVICE, max_num_seqs=64, max_num_batched_tokens=512,
               speculative_config={"model": str(head)} | shape)
     assert llm.engine.spec.method == "eagle3"
     import specserve.engine.engine as engine_module
@@ -233,10 +233,10 @@ def test_seeded_spec_is_independent_of_batch(llama_dir, draft_dir):
     cfg = spec_configs(draft_dir)["draft_model"]
     sp = SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True)
     p = TokensPrompt(prompt_token_ids=repetitive_prompts(1, seed=9)[0])
-    alone = LLM(str(llama_dir), speculative_config=cfg, device="cpu").generate(
+    alone = LLM(str(llama_dir), speculative_config=cfg, device=DEVICE).generate(
         p, sp, use_tqdm=False)[0].outputs[0].token_ids
     others = [TokensPrompt(prompt_token_ids=q) for q in repetitive_prompts(4, seed=10)]
-    mixed = LLM(str(llama_dir), speculative_config=cfg, device="cpu").generate(
+    mixed = LLM(str(llama_dir), speculative_config=cfg, device=DEVICE).generate(
         others[:2] + [p] + others[2:], [_greedy(), _greedy(), sp, _greedy(), _greedy()],
         use_tqdm=False)[2].outputs[0].token_ids
     assert alone == mixed
@@ -244,11 +244,11 @@ def test_seeded_spec_is_independent_of_batch(llama_dir, draft_dir):
 
 def test_stop_string_inside_accepted_run(text_model_dir):
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    base = LLM(str(text_model_dir), device="cpu")
+    base = LLM(str(text_model_dir), device=DEVICE)
     free = base.generate("def add(a, b):", sp, use_tqdm=False)[0].outputs[0].text
     stop = free[8:10]
     cfg = {"method": "draft_model", "model": str(text_model_dir), "num_speculative_tokens": 4}
-    spec = LLM(str(text_model_dir), speculative_config=cfg, device="cpu")
+    spec = LLM(str(text_model_dir), speculative_config=cfg, device=DEVICE)
     out = spec.generate("def add(a, b):", SamplingParams(temperature=0, max_tokens=40,
                         ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.text == free[:free.index(stop)] and out.finish_reason == "stop"
@@ -257,7 +257,7 @@ def test_stop_string_inside_accepted_run(text_model_dir):
 def test_vocab_mismatch_is_a_load_error(llama_dir, small_vocab_pair):
     cfg = {"method": "draft_model", "model": str(small_vocab_pair[1]), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="vocab_size 8 but the target has 96"):
-        LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+        LLM(str(llama_dir), speculative_config=cfg, device=DEVICE)
 
 
 def test_past_the_drafts_context_requests_decode_on_without_drafts(llama_dir, tmp_path):
@@ -265,7 +265,7 @@ def test_past_the_drafts_context_requests_decode_on_without_drafts(llama_dir, tm
     target's context with the output it has without speculation."""
     make_hf_model("llama", tmp_path, seed=5, max_position_embeddings=48, hidden_size=32,
                   num_hidden_layers=1, intermediate_size=64)
-    llm = LLM(str(llama_dir), device="cpu", speculative_config={
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config={
         "method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2})
     assert llm.engine.max_model_len == 256 and llm.engine.draft_max_len == 48
     last_positions = []                 # the last position each draft step writes
@@ -278,7 +278,7 @@ def test_past_the_drafts_context_requests_decode_on_without_drafts(llama_dir, tm
         return props
     llm.engine.proposer.propose = recording
     prompt = TokensPrompt(prompt_token_ids=list(range(40)))
-    ref = LLM(str(llama_dir), device="cpu").generate(prompt, _greedy(60), use_tqdm=False)[0]
+    ref = LLM(str(llama_dir), device=DEVICE).generate(prompt, _greedy(60), use_tqdm=False)[0]
     out = llm.generate(prompt, _greedy(60), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == ref.outputs[0].token_ids and len(out.token_ids) == 60
     assert last_positions and max(last_positions) <= 47    # inside the draft's 48 positions
@@ -287,7 +287,7 @@ def test_past_the_drafts_context_requests_decode_on_without_drafts(llama_dir, tm
 def test_synthetic_acceptance(llama_dir):
     cfg = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
            "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 1.0}
-    llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+    llm = LLM(str(llama_dir), speculative_config=cfg, device=DEVICE)
     llm.generate(TokensPrompt(prompt_token_ids=[1, 2, 3] * 5), _greedy(), use_tqdm=False)
     assert llm.get_stats()["acceptance_rate"] == 1.0
 
@@ -295,12 +295,12 @@ def test_synthetic_acceptance(llama_dir):
 def test_disable_by_batch_size_keeps_greedy_output(llama_dir, draft_dir):
     cfg = spec_configs(draft_dir)["ngram"] | {"disable_by_batch_size": 3}
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(6, seed=11)]
-    ref = LLM(str(llama_dir), device="cpu").generate(ps, _greedy(), use_tqdm=False)
-    llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+    ref = LLM(str(llama_dir), device=DEVICE).generate(ps, _greedy(), use_tqdm=False)
+    llm = LLM(str(llama_dir), speculative_config=cfg, device=DEVICE)
     got = llm.generate(ps, _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     batched_drafts = llm.get_stats()["spec_decode_num_drafts"]
-    alone = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+    alone = LLM(str(llama_dir), speculative_config=cfg, device=DEVICE)
     for p in ps:
         alone.generate(p, _greedy(), use_tqdm=False)
     # With 6 requests running, speculation is off until only 2 remain.
@@ -310,15 +310,15 @@ def test_disable_by_batch_size_keeps_greedy_output(llama_dir, draft_dir):
 def test_spec_max_model_len_limits_drafting_only_for_every_method(llama_dir):
     cfg = {"method": "ngram", "num_speculative_tokens": 2, "max_model_len": 40,
            "prompt_lookup_min": 1}
-    llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+    llm = LLM(str(llama_dir), speculative_config=cfg, device=DEVICE)
     prompt = TokensPrompt(prompt_token_ids=[3, 4] * 18)            # 36 tokens, all repeats
     out = llm.generate(prompt, _greedy(20), use_tqdm=False)[0].outputs[0]
-    ref = LLM(str(llama_dir), device="cpu").generate(prompt, _greedy(20), use_tqdm=False)[0]
+    ref = LLM(str(llama_dir), device=DEVICE).generate(prompt, _greedy(20), use_tqdm=False)[0]
     assert out.token_ids == ref.outputs[0].token_ids and len(out.token_ids) == 20
     assert llm.get_stats()["spec_decode_num_draft_tokens"] <= 40 - 36
     with pytest.raises(ValueError, match="max_model_len=300 is larger than the target's "
                                          "context \\(256\\)"):
-        LLM(str(llama_dir), device="cpu", speculative_config=cfg | {"max_model_len": 300})
+        LLM(str(llama_dir), device=DEVICE, speculative_config=cfg | {"max_model_len": 300})
 
 
 @pytest.mark.parametrize("method", ["draft_model", "eagle3"])
@@ -329,11 +329,11 @@ def test_confidence_threshold_keeps_output_and_shortens_drafts(method, llama_dir
     from tests.methods.test_heads import eagle3_ckpt
     model = str(draft_dir) if method == "draft_model" else str(eagle3_ckpt(tmp_path / "e3"))
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4, seed=3)]
-    base = LLM(str(llama_dir), device="cpu")
+    base = LLM(str(llama_dir), device=DEVICE)
     ref = [o.outputs[0].token_ids for o in base.generate(ps, _greedy(), use_tqdm=False)]
     per_draft = []
     for threshold in (0.0, 0.2, 0.99):
-        llm = LLM(str(llama_dir), device="cpu", speculative_config={
+        llm = LLM(str(llama_dir), device=DEVICE, speculative_config={
             "method": method, "model": model, "num_speculative_tokens": K,
             "draft_confidence_threshold": threshold})
         got = [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(), use_tqdm=False)]

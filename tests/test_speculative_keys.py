@@ -12,6 +12,7 @@ import pytest
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.config import SpeculativeConfig
 from specserve.methods import resolve_speculative_config
+from tests.conftest import DEVICE
 from tests.methods.test_heads import eagle3_ckpt
 from tests.test_spec_decode import repetitive_prompts
 
@@ -30,7 +31,7 @@ def _extract(p, name: str) -> dict:
 
 def _run(llama_dir, spec: dict | None, temperature: float = 0.0, prompts=PROMPTS,
          rounds: int = 1) -> dict:
-    llm = LLM(str(llama_dir), device="cpu", speculative_config=spec, max_num_seqs=4)
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config=spec, max_num_seqs=4)
     params = SamplingParams(temperature=temperature, seed=1, max_tokens=24, ignore_eos=True)
     for _ in range(rounds):
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -90,6 +90,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
     p.add_argument("--pytorch-path", action="store_true",
                    help="also run no-spec without the compiled CPU kernel (cpu_kernel=False)")
+    p.add_argument("--eager", action="store_true",
+                   help="also run no-spec without CUDA graphs (enforce_eager; --device cuda)")
     p.add_argument("--title", default="Offline latency: specserve methods and transformers")
     report.add_output_args(p)
     a = p.parse_args(argv)
@@ -100,39 +102,44 @@ def main(argv: list[str]) -> None:
     dtypes = a.dtype.split(",")
     dtype = dtypes[0]
     all_results: dict[str, list[Result]] = {}
-    bw = memory_bandwidth_gbs()
+    dev = a.device
+    bw = memory_bandwidth_gbs(dev)
     for set_name in a.prompt_sets.split(","):
         prompts = PROMPT_SETS[set_name](a.num_prompts)
         for batch in [int(b) for b in a.batch_sizes.split(",")]:
             # Fresh engines per suite so acceptance statistics belong to this suite only.
-            runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype)]
+            runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype, device=dev)]
             if a.pytorch_path:
                 runners.append(SpecserveRunner("specserve no-spec, PyTorch path", a.target,
-                                               None, dtype, cpu_kernel=False))
+                                               None, dtype, cpu_kernel=False, device=dev))
+            if a.eager:
+                runners.append(SpecserveRunner("specserve no-spec, eager", a.target, None, dtype,
+                                               device=dev, enforce_eager=True))
             for d in dtypes:                  # the first dtype unnamed; each further one named
                 tag = "" if d == dtype else f", {d}"
                 if tag:
-                    runners.append(SpecserveRunner(f"specserve no-spec{tag}", a.target, None, d))
+                    runners.append(SpecserveRunner(f"specserve no-spec{tag}", a.target, None, d,
+                                                   device=dev))
                 runners += [SpecserveRunner(f"specserve {m} ({_k_label(spec)}){tag}", model, spec,
-                                            d) for m, (model, spec) in specs.items()]
+                                            d, device=dev) for m, (model, spec) in specs.items()]
             if not a.no_transformers and batch == 1:
                 runners += [TransformersRunner("transformers generate()", a.target, None, None,
-                                               dtype),
+                                               dtype, dev),
                             TransformersRunner("transformers assisted (draft, K dynamic)",
-                                               a.target, a.draft, None, dtype),
+                                               a.target, a.draft, None, dtype, dev),
                             TransformersRunner(f"transformers prompt lookup ({K})", a.target,
-                                               None, K, dtype)]
+                                               None, K, dtype, dev)]
             key = f"{set_name}, batch {batch}"
             print(f"== {key}", flush=True)
             all_results[key] = run_suite(runners, prompts, batch, a.max_tokens, a.rounds,
                                          a.temperature)
             print(report.latency_table([r.as_dict() for r in all_results[key]]), flush=True)
     # Decode alone against the bandwidth floor (tokens/s above include the prompts' prefill).
-    floor_runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype)]
+    floor_runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype, device=dev)]
     if a.pytorch_path:
         floor_runners.append(SpecserveRunner("specserve no-spec, PyTorch path", a.target, None,
-                                             dtype, cpu_kernel=False))
-    floor_runners += [SpecserveRunner(f"specserve no-spec, {d}", a.target, None, d)
+                                             dtype, cpu_kernel=False, device=dev))
+    floor_runners += [SpecserveRunner(f"specserve no-spec, {d}", a.target, None, d, device=dev)
                       for d in dtypes[1:]]
     decode = {r.name: decode_ms_per_token(r.llm) for r in floor_runners}
     lengths = [n for n in (64, 256, 512)
@@ -142,10 +149,10 @@ def main(argv: list[str]) -> None:
     wb, streamed = weight_bytes(target_model), weight_bytes(target_model, streamed=True)
     # Measured again at the end, the higher reading kept: on a shared machine one reading can
     # come out at half the rate of the next, which would halve the floor's strictness.
-    bw = max(bw, memory_bandwidth_gbs())
+    bw = max(bw, memory_bandwidth_gbs(dev))
     data = {"benchmark": "latency", "title": a.title,
-            "command": "specserve bench " + " ".join(argv), "machine": machine(),
-            "settings": {"target": a.target, "draft": a.draft, "dtypes": dtypes,
+            "command": "specserve bench " + " ".join(argv), "machine": machine(device=dev),
+            "settings": {"target": a.target, "draft": a.draft, "dtypes": dtypes, "device": dev,
                          "temperature": a.temperature, "num_prompts": a.num_prompts,
                          "max_tokens": a.max_tokens, "rounds": a.rounds,
                          "speculative_config_extra": a.spec_extra,

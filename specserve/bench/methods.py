@@ -48,6 +48,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-extra", default=None,
                    help="JSON merged into every speculative_config, e.g. "
                         "'{\"disable_by_batch_size\": 8}'")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, cuda or cuda:N: where specserve (and transformers) run")
     p.add_argument("--dtype", default="float32",
                    help="float32 or bfloat16; bench latency takes a comma-separated list and "
                         "runs no-spec and every method in each (speedups against the first "

@@ -18,15 +18,24 @@ from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
 
-def memory_bandwidth_gbs(mb: int = 512, repeats: int = 5) -> float:
-    """Read bandwidth measured by summing a large float32 tensor (best of `repeats`)."""
-    x = torch.ones(mb * 1024 * 1024 // 4)
+def memory_bandwidth_gbs(device: str = "cpu", mb: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth of `device` measured by summing a large float32 tensor (best of
+    `repeats`; 4x the size on a GPU, whose caches hold far more)."""
+    dev = torch.device(device)
+    x = torch.ones((mb if dev.type == "cpu" else 4 * mb) * 1024 * 1024 // 4, device=dev)
     best = float("inf")
-    for _ in range(repeats):
+    for _ in range(repeats + 1):                      # the first run warms up
+        _sync(dev)
         t = time.perf_counter()
         x.sum()
+        _sync(dev)
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best / 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def greedy_seconds(llm: LLM, n: int) -> float:
@@ -97,8 +106,11 @@ def git_commit() -> str:
         return "unknown"
 
 
-def machine(threads: int | None = None) -> dict:
+def machine(threads: int | None = None, device: str = "cpu") -> dict:
     """The machine a run was taken on (runs on different machines are not comparable)."""
-    return {"cpu": cpu_name(), "arch": platform.machine(), "cpus": os.cpu_count(),
-            "torch_threads": threads or torch.get_num_threads(), "torch": torch.__version__,
-            "date": datetime.date.today().isoformat(), "commit": git_commit()}
+    out = {"cpu": cpu_name(), "arch": platform.machine(), "cpus": os.cpu_count(),
+           "torch_threads": threads or torch.get_num_threads(), "torch": torch.__version__,
+           "date": datetime.date.today().isoformat(), "commit": git_commit()}
+    if torch.device(device).type == "cuda":
+        out |= {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
+    return out

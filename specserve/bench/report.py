@@ -11,6 +11,8 @@ import datetime
 import json
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
 LATEST = REPO / "benchmarks" / "latest"
 HISTORY = REPO / "benchmarks" / "HISTORY.md"
@@ -30,10 +32,19 @@ def save(data: dict, out: str | Path, publish: bool = False) -> dict[str, str]:
     stem = f"{data['benchmark']}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     paths = _write(data, Path(out), stem)
     if publish:
-        paths["published"] = _write(data, LATEST, data["benchmark"])["json"]
-        with HISTORY.open("a") as f:
-            f.write(history_line(data) + "\n")
+        paths["published"] = publish_run(data)
     return paths
+
+
+def publish_run(data: dict) -> str:
+    """Write a run to benchmarks/latest/ (one name per benchmark and device type: a GPU run
+    does not replace the CPU one) and add its line to HISTORY.md; returns the JSON's path."""
+    device = torch.device(data["settings"].get("device", "cpu")).type
+    name = data["benchmark"] + ("" if device == "cpu" else f"-{device}")
+    path = _write(data, LATEST, name)["json"]
+    with HISTORY.open("a") as f:
+        f.write(history_line(data) + "\n")
+    return path
 
 
 def _write(data: dict, directory: Path, stem: str) -> dict[str, str]:
@@ -49,9 +60,10 @@ def _write(data: dict, directory: Path, stem: str) -> dict[str, str]:
 
 def _header(data: dict) -> list[str]:
     m = data["machine"]
+    gpu = f"{m['gpu']} (CUDA {m['cuda']}) with " if "gpu" in m else ""
     return [f"## {data['title']}", "",
-            f"- {m['date']}, commit {m['commit']}; {m['cpu']} ({m['arch']}, {m['cpus']} CPUs), "
-            f"{m['torch_threads']} torch threads, torch {m['torch']}",
+            f"- {m['date']}, commit {m['commit']}; {gpu}{m['cpu']} ({m['arch']}, {m['cpus']} "
+            f"CPUs), {m['torch_threads']} torch threads, torch {m['torch']}",
             f"- command: `{data['command']}`"]
 
 
@@ -243,11 +255,17 @@ def main(argv: list[str]) -> None:
     p.add_argument("json", help="a run's JSON (runs/bench/... or benchmarks/latest/...)")
     p.add_argument("--readme", action="store_true",
                    help="print the README's method table instead (latency runs)")
+    p.add_argument("--publish", action="store_true",
+                   help="publish the run to benchmarks/latest/ and HISTORY.md (a run taken on "
+                        "another machine, e.g. a GPU host)")
     a = p.parse_args(argv)
     path = Path(a.json)
     data = json.loads(path.read_text())
     if a.readme:
         print(readme_table(data))
+        return
+    if a.publish:
+        print(json.dumps({"published": publish_run(data)}))
         return
     path.with_suffix(".md").write_text(markdown(data))
     plot(data, path.with_suffix(".png"))

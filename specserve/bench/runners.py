@@ -39,10 +39,12 @@ class Result:
 
 class SpecserveRunner:
     def __init__(self, name: str, target: str, spec: dict | None, dtype: str,
-                 cpu_kernel: bool = True) -> None:
+                 cpu_kernel: bool = True, device: str = "cpu", enforce_eager: bool = False
+                 ) -> None:
         self.name = name
-        self.llm = LLM(target, speculative_config=spec, dtype=dtype, device="cpu", freeze_gc=True,
-                       max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel)
+        self.llm = LLM(target, speculative_config=spec, dtype=dtype, device=device, freeze_gc=True,
+                       max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel,
+                       enforce_eager=enforce_eager)
         self.spec, self.dtype = spec, dtype
         self.tpots: list[float] = []        # ms per decoded token of each request this round
 
@@ -95,15 +97,16 @@ class TransformersRunner:
     """transformers generate(), assisted generation or prompt lookup (batch 1 only)."""
 
     def __init__(self, name: str, target: str, draft: str | None, prompt_lookup: int | None,
-                 dtype: str) -> None:
+                 dtype: str, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         dt = getattr(torch, dtype)
-        self.name, self.dtype = name, dtype
+        self.name, self.dtype, self.device = name, dtype, device
         self.tok = AutoTokenizer.from_pretrained(target)
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dt).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=dt).to(device).eval()
         self.kw: dict = {}
         if draft:
-            self.kw["assistant_model"] = AutoModelForCausalLM.from_pretrained(draft, dtype=dt).eval()
+            self.kw["assistant_model"] = AutoModelForCausalLM.from_pretrained(
+                draft, dtype=dt).to(device).eval()
         if prompt_lookup:
             self.kw["prompt_lookup_num_tokens"] = prompt_lookup
 
@@ -114,7 +117,7 @@ class TransformersRunner:
         sample = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {
             "do_sample": False}
         for p in prompts:
-            ids = torch.tensor([self.tok(p)["input_ids"]])
+            ids = torch.tensor([self.tok(p)["input_ids"]], device=self.device)
             out = self.model.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                       pad_token_id=self.tok.eos_token_id, **sample, **self.kw)
             outs.append(out[0, ids.shape[1]:].tolist())

@@ -98,8 +98,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(model: str, spec: dict | None, port: int, threads: int, dtype: str):
-    cmd = [sys.executable, "-m", "specserve.cli", "serve", model, "--device", "cpu",
+def _start_server(model: str, spec: dict | None, port: int, threads: int, dtype: str,
+                  device: str):
+    cmd = [sys.executable, "-m", "specserve.cli", "serve", model, "--device", device,
            "--dtype", dtype, "--port", str(port), "--served-model-name", "bench",
            "--max-num-seqs", "16"]
     if spec:
@@ -121,10 +122,11 @@ def _start_server(model: str, spec: dict | None, port: int, threads: int, dtype:
 
 
 def _offline_tpot_ms(model: str, spec: dict | None, prompts: list[str], max_tokens: int,
-                     dtype: str) -> float:
+                     dtype: str, device: str) -> float:
     """The offline engine's time per output token after the first (the server's TPOT), median
     over `prompts` run one at a time."""
-    engine = LLM(model, speculative_config=spec, device="cpu", dtype=dtype, freeze_gc=True).engine
+    engine = LLM(model, speculative_config=spec, device=device, dtype=dtype,
+                 freeze_gc=True).engine
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     tpots = []
     for p in [prompts[0], *prompts]:             # the first run warms up
@@ -161,14 +163,14 @@ def main(argv: list[str]) -> None:
     # Offline references first, while no server runs.
     offline = {name: _offline_tpot_ms(model, spec, [prompts[i % len(prompts)] for i in
                                                     range(a.requests_per_client)],
-                                      a.max_tokens, a.dtype)
+                                      a.max_tokens, a.dtype, a.device)
                for name, (model, spec) in specs.items()}
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     runs: dict[tuple[str, int], list] = {(n, c): [] for n in specs for c in concurrencies}
     try:
         for name, (model, spec) in specs.items():
             port = _free_port()
-            servers[name] = (_start_server(model, spec, port, a.threads, a.dtype),
+            servers[name] = (_start_server(model, spec, port, a.threads, a.dtype, a.device),
                              f"http://127.0.0.1:{port}")
             asyncio.run(_load(servers[name][1], prompts, 1, 1, 8))          # warm-up
         # Every server stays up; rounds interleave the configurations (rotating their order),
@@ -191,8 +193,8 @@ def main(argv: list[str]) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     data = {"benchmark": "serve", "title": "Serving load: `specserve serve` over HTTP",
-            "command": "specserve bench " + " ".join(argv), "machine": machine(a.threads),
-            "settings": {"target": a.target, "draft": a.draft, "dtype": a.dtype,
+            "command": "specserve bench " + " ".join(argv), "machine": machine(a.threads, a.device),
+            "settings": {"target": a.target, "draft": a.draft, "dtype": a.dtype, "device": a.device,
                          "k": a.num_speculative_tokens, "prompt_set": a.prompt_set,
                          "max_tokens": a.max_tokens, "requests_per_client": a.requests_per_client,
                          "rounds": a.rounds, "threads": a.threads,

@@ -31,9 +31,9 @@ def measurement_tree(max_depth: int, max_rank_sum: int) -> TokenTree:
 
 
 def node_rates(model: str, spec: dict, prompts: list[str], max_tokens: int, temperature: float,
-               dtype: str) -> list[float]:
+               dtype: str, device: str = "cpu") -> list[float]:
     """Per node of spec's tree: accepted steps / verify steps."""
-    llm = LLM(model, speculative_config=spec, dtype=dtype, device="cpu", freeze_gc=True)
+    llm = LLM(model, speculative_config=spec, dtype=dtype, device=device, freeze_gc=True)
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
                              ignore_eos=True) for i in range(len(prompts))]
     llm.generate(prompts, params, use_tqdm=False)
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
     rates = [0.0] * len(tree)
     for name in sets:
         r = node_rates(model, spec, PROMPT_SETS[name](a.num_prompts), a.max_tokens,
-                       a.temperature, a.dtype)
+                       a.temperature, a.dtype, a.device)
         print(f"{name}: tau of the whole {len(tree)}-node tree {1 + sum(r):.2f}", flush=True)
         rates = [x + y / len(sets) for x, y in zip(rates, r)]
     rows = best_trees(tree, rates, [int(n) for n in a.sizes.split(",")])
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> None:
     table += [f"| {n} | {tau:.2f} | `{[tuple(q) for q in t.paths]}` |" for n, tau, t in rows]
     print("\n".join(table))
     data = {"benchmark": "tree", "title": a.title, "command": "specserve bench " + " ".join(argv),
-            "machine": machine(),
+            "machine": machine(device=a.device),
             "settings": {"method": a.method, "target": a.target, "prompt_sets": sets,
                          "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
                          "temperature": a.temperature, "measured_nodes": len(tree),

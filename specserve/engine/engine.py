@@ -45,11 +45,12 @@ def _eos_ids(model_dir: str, cfg: dict, tokenizer: Tokenizer | None) -> frozense
     return frozenset(ids)
 
 
-def make_kv_cache(model: torch.nn.Module, num_slots: int, max_len: int) -> KVCache:
+def make_kv_cache(model: torch.nn.Module, num_slots: int, max_len: int,
+                  scratch_slot: bool = False) -> KVCache:
     a = model.args
     p = next(model.parameters())
     return KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads, max_len, a.head_dim,
-                   p.dtype, p.device)
+                   p.dtype, p.device, scratch_slot)
 
 
 class LLMEngine:
@@ -65,14 +66,17 @@ class LLMEngine:
                              f"context ({model_len}, max_position_embeddings in config.json)")
         self.max_model_len = mc.max_model_len or model_len
         self.tokenizer = Tokenizer(mc.model) if (Path(mc.model) / "tokenizer.json").is_file() else None
-        self.backend = Backend(self.device, self.dtype, mc.cpu_kernel)
+        self.backend = Backend(self.device, self.dtype, mc.cpu_kernel,
+                               cuda_graphs=self.device.type == "cuda" and not mc.enforce_eager)
         self.model = self.backend.prepare(
             load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len))
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = _eos_ids(mc.model, hf, self.tokenizer)
         sc = config.scheduler_config
-        self.cache = make_kv_cache(self.model, sc.max_num_seqs, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.cache = make_kv_cache(self.model, sc.max_num_seqs, self.max_model_len,
+                                   self.backend.cuda_graphs)
+        self.runner = ModelRunner(self.model, self.cache, self.device,
+                                  self.backend.graphs(self.model, self.cache, sc.max_num_seqs))
         self.spec = config.speculative_config
         self.proposer: Proposer | None = None
         caches = [self.cache]
@@ -89,8 +93,8 @@ class LLMEngine:
             caches += self.proposer.caches
             self.runner.aux_layers = self.proposer.aux_hidden_layers
         self.scheduler = Scheduler(sc, caches)
-        parts = [f"target {Backend.describe(self.model)}"] + [
-            f"{role} {Backend.describe(m)}"
+        parts = [f"target {self.backend.describe(self.model)}"] + [
+            f"{role} {self.backend.describe(m)}"
             for role, m in (self.proposer.modules if self.proposer else {}).items()]
         logger.info("backend: %s; %s, %d threads", "; ".join(parts), mc.dtype,
                     torch.get_num_threads())

@@ -13,14 +13,17 @@ import torch
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.kv_cache import KVCache
 from specserve.methods import RunnerOutput
+from specserve.models.cuda_graphs import CudaGraphs
 from specserve.models.metadata import build_metadata, build_tree_metadata, tree_rows
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device) -> None:
+    def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device,
+                 graphs: CudaGraphs | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
+        self.graphs = graphs                      # uniform steps replayed on CUDA
         self.aux_layers: tuple[int, ...] = ()     # set by the engine for EAGLE-3 proposers
 
     @torch.inference_mode()
@@ -39,7 +42,13 @@ class ModelRunner:
             slots.append(r.slot)
             cu.append(cu[-1] + item.num_new_tokens)
             sample_rows.extend(range(cu[-1] - item.num_sample_rows, cu[-1]))
-        if any(b.num_spec_tokens and b.request.spec_parents is not None for b in batch):
+        tree = any(b.num_spec_tokens and b.request.spec_parents is not None for b in batch)
+        if not tree and self.graphs is not None and self.graphs.fits(lens):
+            logits, hidden, aux = self.graphs.run(ids, starts, lens[0], slots, self.aux_layers)
+            if len(sample_rows) != len(ids):
+                logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
+            return RunnerOutput(logits, hidden, aux, cu, starts)
+        if tree:
             rows = [tree_rows(s, b.num_new_tokens - b.num_spec_tokens,
                               b.request.spec_parents if b.num_spec_tokens else None,
                               b.num_spec_tokens) for s, b in zip(starts, batch)]

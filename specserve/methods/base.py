@@ -83,7 +83,7 @@ class DraftContext:
                      dtype: torch.dtype | None = None) -> KVCache:
         """A KV cache with one slot per engine slot (allocated in lockstep with the target's)."""
         return KVCache(num_layers, self.num_slots, num_kv_heads, max_len, head_dim,
-                       dtype or self.dtype, self.device)
+                       dtype or self.dtype, self.device, scratch_slot=self.backend.cuda_graphs)
 
 
 @dataclass(slots=True)

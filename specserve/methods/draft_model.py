@@ -52,9 +52,15 @@ class DraftModelProposer(ProposerBase):
         self.state: dict[str, _DraftState] = {}
         # greedy chains in one compiled call where the model has one (on the CPU kernel)
         self.chain = self.model.kernel_chain(self.cache.layers) if not self.sample else None
+        self.graphs = ctx.backend.graphs(self.model, self.cache, ctx.num_slots)
 
     def _forward(self, reqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Feed each request its tokens at `starts`; returns logits of each one's last token."""
+        lens = [len(t) for t in token_lists]
+        if self.graphs is not None and self.graphs.fits(lens):
+            logits, _, _ = self.graphs.run([t for ts in token_lists for t in ts], starts,
+                                           lens[0], [r.slot for r in reqs])
+            return logits.view(len(reqs), lens[0], -1)[:, -1]               # [B, V]
         ids, positions, md = ragged_inputs(token_lists, starts, [r.slot for r in reqs],
                                            self.device)
         hidden = self.model(ids, positions, md, self.cache.layers)           # [T, H]

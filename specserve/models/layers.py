@@ -31,7 +31,9 @@ class AttentionMetadata:
     token_slots: torch.Tensor     # [num_tokens] long: KV-cache slot of each token's request
     positions: torch.Tensor       # [num_tokens] long: position of each token in its sequence
     slot_ids: torch.Tensor        # [batch] long: KV-cache slot of each request
-    first_slot: int               # slot of request 0 (batch-1 fast path slices a view)
+    # slot of request 0 (the batch-1 fast path slices a view); None where the slot must be
+    # read from slot_ids (CUDA graphs: their replays feed new slots)
+    first_slot: int | None
     batch_size: int
     max_query_len: int
     max_kv_len: int               # longest context after this step's writes
@@ -200,7 +202,7 @@ class Attention(nn.Module):
         k_cache[md.token_slots, :, md.positions] = k
         v_cache[md.token_slots, :, md.positions] = v
         B, Q, L = md.batch_size, md.max_query_len, md.max_kv_len
-        if B == 1:
+        if B == 1 and md.first_slot is not None:
             s = md.first_slot
             keys, values = k_cache[s:s + 1, :, :L], v_cache[s:s + 1, :, :L]   # views
         else:

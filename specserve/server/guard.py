@@ -72,6 +72,23 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not a JSON number; send finite numbers only")
 
 
+# No request of the API nests deeper (chat content parts sit at depth 5); deeper bodies would
+# only cost recursion in validation and encoding.
+MAX_JSON_DEPTH = 32
+
+
+def _depth_exceeds(data: object, limit: int) -> bool:
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (node.values() if isinstance(node, dict)
+                                                  else node))
+    return False
+
+
 async def read_json(request: Request, max_bytes: int, timeout_s: float) -> dict:
     """The request's JSON object body; APIError for anything else. The size limit holds while
     reading (a chunked upload stops at the limit) and the whole body must arrive in time."""
@@ -105,6 +122,8 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float) -> dict:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")
+    if _depth_exceeds(data, MAX_JSON_DEPTH):        # whether parsing recursed that far or not
+        raise APIError(400, "the body's JSON is nested too deeply")
     # "\ud800" is valid JSON but no text: the tokenizer and the reply would fail on it. Only an
     # escape brings one (raw surrogate bytes fail decoding), so most bodies skip the check.
     if not _SURROGATE_ESCAPE.search(body):

@@ -91,8 +91,9 @@ def _remap_vocab(trained: dict[str, torch.Tensor], d2t: torch.Tensor,
     kept = [row_of[int(new_ids[j])] for j in both]                             # their old ids
     ref = kept or list(range(len(old_ids)))              # the rows the scale is measured on
     rows = trained["lm_head.weight"]                                           # [n_old, H]
+    target_lm_head = target_lm_head.detach().to(rows.device)
     scale = rows[ref].norm(dim=1).mean() / target_lm_head[old_ids[ref]].norm(dim=1).mean()
-    lm = target_lm_head.detach()[new_ids] * scale                              # [n, H]
+    lm = target_lm_head[new_ids] * scale                                       # [n, H]
     lm[both] = rows[kept]
     return {**trained, "lm_head.weight": lm, "d2t": d2t.clone()}
 

@@ -118,15 +118,15 @@ def _load_ckpt(path: Path, model, opt: torch.optim.Optimizer) -> tuple[int, list
     tensors = load_file(str(path))
     model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")},
                           strict=False)
-    params = dict(model.named_parameters())
-    for name, p in params.items():
-        if f"opt.exp_avg.{name}" in tensors:
-            opt.state[p] = {"step": torch.tensor(0.0),
-                            "exp_avg": tensors[f"opt.exp_avg.{name}"].to(p.device),
-                            "exp_avg_sq": tensors[f"opt.exp_avg_sq.{name}"].to(p.device)}
     meta = json.loads(path.with_suffix(".json").read_text())
-    for st in opt.state.values():
-        st["step"] = torch.tensor(float(meta["step"]))
+    # the fused (CUDA) AdamW keeps its step counts beside the parameters, the others on the CPU
+    on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")
+    for name, p in model.named_parameters():
+        if f"opt.exp_avg.{name}" in tensors:
+            opt.state[p] = {
+                "step": torch.tensor(float(meta["step"]), device=p.device if on_device else None),
+                "exp_avg": tensors[f"opt.exp_avg.{name}"].to(p.device),
+                "exp_avg_sq": tensors[f"opt.exp_avg_sq.{name}"].to(p.device)}
     return meta["step"], meta["log"]
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from specserve import LLM, TokensPrompt
 from specserve.engine.adaptive_k import AdaptiveK
+from tests.conftest import DEVICE
 from tests.test_spec_decode import _greedy, repetitive_prompts, spec_configs
 
 
@@ -77,9 +78,9 @@ def test_refresh_retimes_the_stalest_k():
 @pytest.mark.parametrize("method", ["suffix", "draft_model"])
 def test_adaptive_k_keeps_greedy_output(method, llama_dir, draft_dir):
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(10, seed=5)]
-    ref = LLM(str(llama_dir), device="cpu").generate(ps, _greedy(40), use_tqdm=False)
+    ref = LLM(str(llama_dir), device=DEVICE).generate(ps, _greedy(40), use_tqdm=False)
     cfg = spec_configs(draft_dir)[method] | {"adaptive_k": True}
-    llm = LLM(str(llama_dir), speculative_config=cfg, device="cpu")
+    llm = LLM(str(llama_dir), speculative_config=cfg, device=DEVICE)
     got = llm.generate(ps, _greedy(40), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     tried = {k for (_, _, k) in llm.engine.adaptive_k.timings}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.methods.base import Proposal, ProposerBase
+from tests.conftest import DEVICE
 
 
 class Scripted(ProposerBase):
@@ -27,9 +28,9 @@ class Scripted(ProposerBase):
 def test_each_step_emits_accepted_plus_one_and_rolls_back_the_rest(llama_dir):
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    truth = LLM(str(llama_dir), device="cpu").generate(
+    truth = LLM(str(llama_dir), device=DEVICE).generate(
         TokensPrompt(prompt_token_ids=prompt), params, use_tqdm=False)[0].outputs[0].token_ids
-    llm = LLM(str(llama_dir), device="cpu",
+    llm = LLM(str(llama_dir), device=DEVICE,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     engine = llm.engine
     engine.proposer = Scripted(truth, len(prompt), wrong=2)   # d1, d2 right, d3 wrong
@@ -51,7 +52,7 @@ def test_each_step_emits_accepted_plus_one_and_rolls_back_the_rest(llama_dir):
 
 def test_a_synthetic_acceptance_length_is_what_the_engine_measures(llama_dir, draft_dir):
     """synthetic_acceptance_length 2.5 at K=3: rates [1, 0.5, 0], so tau = 2.5 on average."""
-    llm = LLM(str(llama_dir), device="cpu", speculative_config={
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config={
         "model": str(draft_dir), "num_speculative_tokens": 3,
         "rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.5})
     prompts = [TokensPrompt(prompt_token_ids=[i + 1, i + 2, i + 3]) for i in range(8)]

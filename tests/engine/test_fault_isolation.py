@@ -10,6 +10,7 @@ import specserve.sampling.rejection as rejection
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.engine.engine import LLMEngine
 from specserve.methods.base import Proposal
+from tests.conftest import DEVICE
 
 BAD_SEED = 666          # marks the request whose work fails
 
@@ -67,7 +68,7 @@ def _inject(stage: str, llm: LLM, monkeypatch) -> None:
                                           ("update", "its update"),
                                           ("proposal", "drafting")])
 def test_a_failing_request_is_aborted_alone(llama_dir, draft_dir, monkeypatch, stage, where):
-    llm = LLM(str(llama_dir), device="cpu", max_num_seqs=8,
+    llm = LLM(str(llama_dir), device=DEVICE, max_num_seqs=8,
               speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3})
     prompts, params = _innocent()
     reference = llm.generate(prompts, params, use_tqdm=False)
@@ -90,7 +91,7 @@ def test_a_failing_request_is_aborted_alone(llama_dir, draft_dir, monkeypatch, s
 
 def test_a_failing_propose_call_fails_its_step_and_the_engine_goes_on(llama_dir, draft_dir,
                                                                        monkeypatch):
-    llm = LLM(str(llama_dir), device="cpu",
+    llm = LLM(str(llama_dir), device=DEVICE,
               speculative_config={"model": str(draft_dir), "num_speculative_tokens": 3})
     prompts, params = _innocent()
     reference = llm.generate(prompts, params, use_tqdm=False)
@@ -112,7 +113,7 @@ def test_a_failing_propose_call_fails_its_step_and_the_engine_goes_on(llama_dir,
 
 
 def test_an_engine_wide_failure_raises_out_of_step(llama_dir, monkeypatch):
-    llm = LLM(str(llama_dir), device="cpu")
+    llm = LLM(str(llama_dir), device=DEVICE)
 
     def broken(batch):
         raise RuntimeError("injected target failure")

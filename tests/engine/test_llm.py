@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
+from tests.conftest import DEVICE
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -29,7 +30,7 @@ def test_greedy_alone_and_batched_equal_transformers(hf_model):
     ps = prompts(6)
     ref = [hf_greedy(hf, p, 24) for p in ps]
     # Small token budget: long prompts are prefilled in chunks while others decode.
-    llm = LLM(str(path), device="cpu", max_num_seqs=4, max_num_batched_tokens=16)
+    llm = LLM(str(path), device=DEVICE, max_num_seqs=4, max_num_batched_tokens=16)
     alone = [llm.generate([TokensPrompt(prompt_token_ids=p)], GREEDY, use_tqdm=False)[0]
              for p in ps[:2]]
     assert [o.outputs[0].token_ids for o in alone] == ref[:2]
@@ -39,7 +40,7 @@ def test_greedy_alone_and_batched_equal_transformers(hf_model):
 
 
 def test_outputs_keep_prompt_order_and_accept_param_lists(llama_dir):
-    llm = LLM(str(llama_dir), device="cpu")
+    llm = LLM(str(llama_dir), device=DEVICE)
     ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(3, seed=1)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 5)]
     outs = llm.generate(ps, params, use_tqdm=False)
@@ -50,7 +51,7 @@ def test_outputs_keep_prompt_order_and_accept_param_lists(llama_dir):
 
 
 def test_eos_stops_unless_ignored(llama_dir):
-    llm = LLM(str(llama_dir), device="cpu")
+    llm = LLM(str(llama_dir), device=DEVICE)
     p = TokensPrompt(prompt_token_ids=prompts(1, seed=2)[0])
     free = llm.generate(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0].token_ids
@@ -63,7 +64,7 @@ def test_eos_stops_unless_ignored(llama_dir):
 
 
 def test_stop_token_ids(llama_dir):
-    llm = LLM(str(llama_dir), device="cpu")
+    llm = LLM(str(llama_dir), device=DEVICE)
     p = TokensPrompt(prompt_token_ids=prompts(1, seed=3)[0])
     free = llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop = free[5]
@@ -74,7 +75,7 @@ def test_stop_token_ids(llama_dir):
 
 
 def test_stop_strings_cut_at_the_right_place(text_model_dir):
-    llm = LLM(str(text_model_dir), device="cpu")
+    llm = LLM(str(text_model_dir), device=DEVICE)
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     free = llm.generate("def add(a, b):", sp, use_tqdm=False)[0].outputs[0].text
     assert len(free) > 6
@@ -90,7 +91,7 @@ def test_stop_strings_cut_at_the_right_place(text_model_dir):
 
 
 def test_text_equals_decoded_tokens(text_model_dir):
-    llm = LLM(str(text_model_dir), device="cpu")
+    llm = LLM(str(text_model_dir), device=DEVICE)
     out = llm.generate(["hello", "café"], SamplingParams(temperature=1.0, seed=5, max_tokens=30,
                                                            ignore_eos=True), use_tqdm=False)
     tok = llm.get_tokenizer()
@@ -101,21 +102,21 @@ def test_text_equals_decoded_tokens(text_model_dir):
 def test_seeded_sampling_is_independent_of_batch(llama_dir):
     sp = SamplingParams(temperature=0.9, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
     p = TokensPrompt(prompt_token_ids=prompts(1, seed=4)[0])
-    alone = LLM(str(llama_dir), device="cpu").generate(p, sp, use_tqdm=False)[0]
+    alone = LLM(str(llama_dir), device=DEVICE).generate(p, sp, use_tqdm=False)[0]
     others = [TokensPrompt(prompt_token_ids=q) for q in prompts(5, seed=5)]
-    mixed = LLM(str(llama_dir), device="cpu", max_num_batched_tokens=24).generate(
+    mixed = LLM(str(llama_dir), device=DEVICE, max_num_batched_tokens=24).generate(
         others[:2] + [p] + others[2:],
         [SamplingParams(temperature=1.0, max_tokens=15, ignore_eos=True)] * 2 + [sp]
         + [GREEDY] * 3, use_tqdm=False)[2]
     assert alone.outputs[0].token_ids == mixed.outputs[0].token_ids
-    different = LLM(str(llama_dir), device="cpu").generate(
+    different = LLM(str(llama_dir), device=DEVICE).generate(
         p, SamplingParams(temperature=0.9, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True),
         use_tqdm=False)[0]
     assert different.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
 def test_logprobs(llama_dir, hf_model=None):
-    llm = LLM(str(llama_dir), device="cpu")
+    llm = LLM(str(llama_dir), device=DEVICE)
     p = prompts(1, seed=6)[0]
     out = llm.generate(TokensPrompt(prompt_token_ids=p), SamplingParams(
         temperature=0, max_tokens=4, ignore_eos=True, logprobs=2), use_tqdm=False)[0].outputs[0]
@@ -126,7 +127,7 @@ def test_logprobs(llama_dir, hf_model=None):
 
 
 def test_max_model_len_limits_output(llama_dir):
-    llm = LLM(str(llama_dir), device="cpu", max_model_len=32)
+    llm = LLM(str(llama_dir), device=DEVICE, max_model_len=32)
     out = llm.generate(TokensPrompt(prompt_token_ids=list(range(30))),
                        SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
@@ -140,7 +141,7 @@ def test_max_model_len_limits_output(llama_dir):
     ({}, "text", r"no tokenizer \(no tokenizer.json\); give token ids"),
 ])
 def test_bad_prompts(llama_dir, kwargs, prompt, match):
-    llm = LLM(str(llama_dir), device="cpu", **kwargs)
+    llm = LLM(str(llama_dir), device=DEVICE, **kwargs)
     p = prompt if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=prompt)
     with pytest.raises(ValueError, match=match):
         llm.generate(p, GREEDY, use_tqdm=False)
@@ -168,9 +169,9 @@ def test_the_engine_leaves_the_garbage_collector_alone_unless_asked(llama_dir):
     freezes its engine heap the same way); by default the process's collector is untouched."""
     import gc
     gc.unfreeze()
-    LLM(str(llama_dir), device="cpu")
+    LLM(str(llama_dir), device=DEVICE)
     assert gc.get_freeze_count() == 0
-    llm = LLM(str(llama_dir), device="cpu", freeze_gc=True)
+    llm = LLM(str(llama_dir), device=DEVICE, freeze_gc=True)
     walked = {id(o) for o in gc.get_objects()}
     assert id(llm.engine.model) not in walked and id(llm.engine.cache) not in walked
     assert id(llm.engine.model.layers[0]) not in walked
@@ -188,7 +189,7 @@ def test_the_engine_logs_its_backends_in_one_line(llama_dir, draft_dir, caplog):
 
 
 def test_chat_renders_the_template_and_generates(text_model_dir):
-    llm = LLM(str(text_model_dir), device="cpu", max_model_len=128)
+    llm = LLM(str(text_model_dir), device=DEVICE, max_model_len=128)
     msgs = [{"role": "user", "content": "write add"}]
     params = SamplingParams(temperature=0, max_tokens=8)
     prompt = llm.get_tokenizer().apply_chat_template(msgs)
@@ -202,11 +203,11 @@ def test_chat_renders_the_template_and_generates(text_model_dir):
 
 def test_chat_without_a_tokenizer_says_so(llama_dir):
     with pytest.raises(ValueError, match="no tokenizer .*chat is not available"):
-        LLM(str(llama_dir), device="cpu").chat([{"role": "user", "content": "hi"}])
+        LLM(str(llama_dir), device=DEVICE).chat([{"role": "user", "content": "hi"}])
 
 
 def test_get_metrics_gives_vllm_shaped_objects_and_get_stats_the_dict(llama_dir):
-    llm = LLM(str(llama_dir), device="cpu",
+    llm = LLM(str(llama_dir), device=DEVICE,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                   "prompt_lookup_min": 1})
     llm.generate([TokensPrompt(prompt_token_ids=[4, 5, 4, 5, 4, 5])], GREEDY, use_tqdm=False)

@@ -17,6 +17,7 @@ from specserve.models.loader import load_model
 from specserve.models.metadata import build_metadata, build_tree_metadata, tree_rows
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.token_tree import TokenTree, accepted_path, ancestors
+from tests.conftest import DEVICE
 from tests.methods.test_heads import eagle3_ckpt, eagle_ckpt, medusa_ckpt, mtp_target
 
 TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
@@ -147,15 +148,16 @@ def test_engine_accepts_any_branch(llama_dir):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 95, (int(n),), generator=g).tolist() for n in (5, 11, 17)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
-    base = LLM(str(llama_dir), device="cpu")
+    base = LLM(str(llama_dir), device=DEVICE)
     ref = base.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                         use_tqdm=False)
     refs = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, ref)}
     model = base.engine.model
     with torch.inference_mode():
-        dense = {tuple(p): model(torch.tensor([p + refs[tuple(p)]]),
-                                 torch.arange(len(p) + 20)[None])[0] for p in prompts}
-    llm = LLM(str(llama_dir), device="cpu", speculative_config={"method": "ngram",
+        dev = model.embed_tokens.weight.device
+        dense = {tuple(p): model(torch.tensor([p + refs[tuple(p)]], device=dev),
+                                 torch.arange(len(p) + 20, device=dev)[None])[0] for p in prompts}
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config={"method": "ngram",
                                                               "num_speculative_tokens": 4})
     oracle = OracleTreeProposer(refs, dense)
     llm.engine.proposer = oracle
@@ -185,9 +187,9 @@ def test_head_trees_are_lossless(method, llama_dir, tmp_path):
     ps = [TokensPrompt(prompt_token_ids=torch.randint(0, 95, (int(n),), generator=g).tolist())
           for n in (4, 9, 15, 22)]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in LLM(target, device="cpu").generate(
+    ref = [o.outputs[0].token_ids for o in LLM(target, device=DEVICE).generate(
         ps, greedy, use_tqdm=False)]
-    llm = LLM(target, device="cpu", max_num_batched_tokens=40, speculative_config=spec)
+    llm = LLM(target, device=DEVICE, max_num_batched_tokens=40, speculative_config=spec)
     seen, propose = [], llm.engine.proposer.propose
 
     def recording(batch):
@@ -211,7 +213,7 @@ def test_head_trees_are_lossless(method, llama_dir, tmp_path):
 
 def test_medusa_tree_deeper_than_its_heads_is_an_error(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="3 deep but this medusa checkpoint predicts 2 tokens"):
-        LLM(str(llama_dir), device="cpu", speculative_config={
+        LLM(str(llama_dir), device=DEVICE, speculative_config={
             "model": str(medusa_ckpt(tmp_path / "m", heads=2)), "speculative_token_tree": TREE})
 
 

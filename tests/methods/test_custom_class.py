@@ -11,6 +11,7 @@ import pytest
 
 from specserve import LLM, SamplingParams
 from specserve.methods import resolve_speculative_config
+from tests.conftest import DEVICE
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = str(REPO / "models" / "code-target")
@@ -21,10 +22,10 @@ def test_the_examples_dictionary_proposer_is_lossless(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO / "examples"))
     import custom_proposer
     prompts = ["def fibonacci(n):", "class Stack:"]
-    ref = LLM(TARGET, device="cpu").generate(prompts, PARAMS, use_tqdm=False)
+    ref = LLM(TARGET, device=DEVICE).generate(prompts, PARAMS, use_tqdm=False)
     # one known answer (the first prompt's), one unknown prompt
     monkeypatch.setitem(custom_proposer.COMPLETIONS, prompts[0], ref[0].outputs[0].text)
-    llm = LLM(TARGET, device="cpu", speculative_config={
+    llm = LLM(TARGET, device=DEVICE, speculative_config={
         "model": "custom_proposer.DictionaryProposer", "num_speculative_tokens": 4})
     assert llm.engine.spec.method == "custom_class"        # detected from the dotted path
     got = llm.generate(prompts, PARAMS, use_tqdm=False)
@@ -56,10 +57,10 @@ def test_a_class_that_is_not_a_proposer_is_refused_by_what_it_lacks(monkeypatch)
     monkeypatch.setitem(sys.modules, "my_drafters", mod)
     with pytest.raises(ValueError, match="lacks finish, reset, stats, aux_hidden_layers, "
                                          "caches, max_model_len, modules"):
-        LLM(TARGET, device="cpu", speculative_config={"model": "my_drafters.HalfDone",
+        LLM(TARGET, device=DEVICE, speculative_config={"model": "my_drafters.HalfDone",
                                                       "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="could not import 'my_drafters.Nope'"):
-        LLM(TARGET, device="cpu", speculative_config={"model": "my_drafters.Nope",
+        LLM(TARGET, device=DEVICE, speculative_config={"model": "my_drafters.Nope",
                                                       "num_speculative_tokens": 2})
 
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from specserve import LLM, SamplingParams, TokensPrompt
-from tests.conftest import make_hf_model
+from tests.conftest import DEVICE, make_hf_model
 
 H, V, HEADS, KV, HD, FF = 64, 96, 4, 2, 16, 128     # the tiny llama of conftest
 
@@ -146,10 +146,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def test_head_methods_are_lossless(name, heads, llama_dir):
     method, path = heads[name]
     ps = _prompts(6, seed=7)
-    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device="cpu").generate(
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device=DEVICE).generate(
         ps, GREEDY, use_tqdm=False)]
     # No "method": it is inferred from the checkpoint's config or name.
-    llm = LLM(str(llama_dir), device="cpu", max_num_batched_tokens=32, speculative_config={
+    llm = LLM(str(llama_dir), device=DEVICE, max_num_batched_tokens=32, speculative_config={
         "model": str(path), "num_speculative_tokens": 3})
     assert llm.engine.spec.method == method
     alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in ps[:2]]
@@ -166,7 +166,7 @@ def greedy_of_several_lengths(llama_dir, seed: int, first: int, step: int):
     ps = _prompts(6, seed=seed)
     params = [SamplingParams(temperature=0, max_tokens=first + step * i, ignore_eos=True)
               for i in range(6)]
-    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device="cpu").generate(
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device=DEVICE).generate(
         ps, params, use_tqdm=False)]
     return ps, params, ref
 
@@ -192,7 +192,7 @@ def test_heads_catch_up_after_speculation_was_off(heads, llama_dir, monkeypatch)
     drafts = {}
     for max_pending in (1, 4, 256):         # 1: ingest every step, as without deferral
         monkeypatch.setattr(HeadProposer, "MAX_PENDING", max_pending)
-        llm = LLM(str(llama_dir), device="cpu", speculative_config={
+        llm = LLM(str(llama_dir), device=DEVICE, speculative_config={
             "model": str(heads["eagle3"][1]), "num_speculative_tokens": 3,
             "disable_by_batch_size": 3})
         proposer, record = llm.engine.proposer, record_drafts(llm)
@@ -208,21 +208,21 @@ def test_heads_catch_up_after_speculation_was_off(heads, llama_dir, monkeypatch)
 def test_mtp_is_lossless_and_loads_from_the_target(tmp_path, llama_dir):
     target = mtp_target(tmp_path / "mtp")
     ps = _prompts(4, seed=8)
-    ref = [o.outputs[0].token_ids for o in LLM(str(target), device="cpu").generate(
+    ref = [o.outputs[0].token_ids for o in LLM(str(target), device=DEVICE).generate(
         ps, GREEDY, use_tqdm=False)]
-    llm = LLM(str(target), device="cpu", speculative_config={"method": "mtp",
+    llm = LLM(str(target), device=DEVICE, speculative_config={"method": "mtp",
                                                                "num_speculative_tokens": 2})
     got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
     assert got == ref and llm.get_stats()["spec_decode_num_drafts"] > 0
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 0 or missing"):
-        LLM(str(llama_dir), device="cpu", speculative_config={"method": "mtp",
+        LLM(str(llama_dir), device=DEVICE, speculative_config={"method": "mtp",
                                                                 "num_speculative_tokens": 2})
 
 
 def test_head_acceptance_bookkeeping(tmp_path, llama_dir):
     """With every draft accepted (synthetic rate 1), tau is K + 1 for a head method too."""
     path = medusa_ckpt(tmp_path / "m")
-    llm = LLM(str(llama_dir), device="cpu", speculative_config={
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config={
         "model": str(path), "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
         "synthetic_acceptance_rate": 1.0})
     llm.generate(_prompts(2, seed=9), SamplingParams(temperature=0, max_tokens=1 + 4 * 5,
@@ -269,7 +269,7 @@ def test_loaded_weights_match_the_files(heads, llama_dir):
 def test_k_beyond_the_heads_is_an_error(maker, spec, match, tmp_path, llama_dir):
     path = maker(tmp_path / "h")
     with pytest.raises(ValueError, match=match):
-        LLM(str(llama_dir), device="cpu", speculative_config={"model": str(path)} | spec)
+        LLM(str(llama_dir), device=DEVICE, speculative_config={"model": str(path)} | spec)
 
 
 def test_head_for_another_model_is_refused(tmp_path, llama_dir):
@@ -277,5 +277,5 @@ def test_head_for_another_model_is_refused(tmp_path, llama_dir):
     cfg = json.loads((path / "config.json").read_text()) | {"vocab_size": 500}
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="vocab_size is 500 but the target's is 96"):
-        LLM(str(llama_dir), device="cpu", speculative_config={"model": str(path),
+        LLM(str(llama_dir), device=DEVICE, speculative_config={"model": str(path),
                                                                 "num_speculative_tokens": 2})

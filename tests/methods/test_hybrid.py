@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specserve import LLM, SamplingParams, TokensPrompt
+from tests.conftest import DEVICE
 from tests.methods.test_heads import eagle3_ckpt
 from tests.test_spec_decode import repetitive_prompts
 
@@ -40,12 +41,12 @@ def test_hybrid_is_lossless_and_leaves_the_drafter_in_step(method, llama_dir, dr
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(8, seed=4)]
     params = [SamplingParams(temperature=0, max_tokens=12 + 4 * i, ignore_eos=True)
               for i in range(8)]
-    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device="cpu").generate(
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device=DEVICE).generate(
         ps, params, use_tqdm=False)]
     spec = {"method": method, "model": model, "num_speculative_tokens": 3}
     drafts = {}
     for extra in ({}, {"hybrid_prompt_lookup": 2}):
-        llm = LLM(str(llama_dir), device="cpu", max_num_seqs=4,
+        llm = LLM(str(llama_dir), device=DEVICE, max_num_seqs=4,
                   speculative_config=spec | extra)
         record = _drafter_drafts(llm)
         alone = [llm.generate(p, q, use_tqdm=False)[0].outputs[0].token_ids

@@ -9,6 +9,7 @@ import pytest
 
 from specserve import LLM, SamplingParams, TokensPrompt, methods
 from specserve.methods.base import MethodSpec, Proposal, ProposerBase
+from tests.conftest import DEVICE
 
 ZOO = Path(__file__).resolve().parents[2] / "models"
 
@@ -63,8 +64,8 @@ def test_a_method_added_by_one_registry_entry_runs_losslessly(llama_dir, monkeyp
                         MethodSpec(name="repeat", build=Repeat, summary="the last token again"))
     prompts = [TokensPrompt(prompt_token_ids=[5, 5, 5, 7, 5, 5])]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    ref = LLM(str(llama_dir), device="cpu").generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(llama_dir), device="cpu",
+    ref = LLM(str(llama_dir), device=DEVICE).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(llama_dir), device=DEVICE,
               speculative_config={"method": "repeat", "num_speculative_tokens": 3})
     got = llm.generate(prompts, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
@@ -74,11 +75,11 @@ def test_a_method_added_by_one_registry_entry_runs_losslessly(llama_dir, monkeyp
 def test_mtp_past_its_layers_warns_as_vllm_does(caplog):
     import logging
     caplog.set_level(logging.WARNING, logger="specserve")
-    LLM(str(ZOO / "code-target-mtp"), device="cpu",
+    LLM(str(ZOO / "code-target-mtp"), device=DEVICE,
         speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     assert any("3x the 1 this mtp checkpoint predicts" in r.getMessage() for r in caplog.records)
     caplog.clear()
-    LLM(str(ZOO / "code-target-mtp"), device="cpu", speculative_config={"method": "mtp"})
+    LLM(str(ZOO / "code-target-mtp"), device=DEVICE, speculative_config={"method": "mtp"})
     assert not any("predicts" in r.getMessage() for r in caplog.records)    # K = its 1 layer
 
 
@@ -89,11 +90,11 @@ def test_k_past_n_predict_must_be_a_multiple_and_medusa_heads_run_in_turn(llama_
         methods.resolve_speculative_config({"model": str(ZOO / "code-target-medusa"),
                                             "num_speculative_tokens": 6})
     with pytest.raises(ValueError, match="predicts 4 tokens"):        # IBM's stages: no cycling
-        LLM(str(ZOO / "code-target"), device="cpu", speculative_config={
+        LLM(str(ZOO / "code-target"), device=DEVICE, speculative_config={
             "model": str(ZOO / "code-target-mlp-speculator"), "num_speculative_tokens": 8})
     path = medusa_ckpt(tmp_path / "m")
     n = methods.resolve_speculative_config({"model": str(path)}).num_speculative_tokens
-    llm = LLM(str(llama_dir), device="cpu",
+    llm = LLM(str(llama_dir), device=DEVICE,
               speculative_config={"model": str(path), "num_speculative_tokens": 2 * n})
     recorded = []
     propose = llm.engine.proposer.propose
@@ -104,7 +105,7 @@ def test_k_past_n_predict_must_be_a_multiple_and_medusa_heads_run_in_turn(llama_
         return props
     llm.engine.proposer.propose = record
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    ref = LLM(str(llama_dir), device="cpu").generate(
+    ref = LLM(str(llama_dir), device=DEVICE).generate(
         [TokensPrompt(prompt_token_ids=[3, 4, 5])], params, use_tqdm=False)
     got = llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5])], params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids

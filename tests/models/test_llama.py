@@ -10,6 +10,7 @@ from specserve.kv_cache import KVCache
 from specserve.models.layers import use_decode_linears
 from specserve.models.loader import load_model
 from specserve.models.metadata import build_metadata
+from tests.conftest import DEVICE
 
 TOL = 1e-4
 
@@ -136,8 +137,9 @@ def test_engine_model_uses_packed_weights_and_matches_transformers(hf_model):
     from specserve import LLM, SamplingParams, TokensPrompt
     from specserve.models.layers import DecodeLinear
     _, path, hf = hf_model
-    llm = LLM(str(path), device="cpu")
-    assert isinstance(llm.engine.model.layers[0].mlp.down_proj, DecodeLinear)
+    llm = LLM(str(path), device=DEVICE)
+    if DEVICE == "cpu":
+        assert isinstance(llm.engine.model.layers[0].mlp.down_proj, DecodeLinear)
     ids = list(range(3, 23))
     out = llm.generate(TokensPrompt(prompt_token_ids=ids), SamplingParams(
         temperature=0, max_tokens=1, logprobs=0), use_tqdm=False)[0].outputs[0]

@@ -14,6 +14,7 @@ from specserve.config import ServerConfig
 from specserve.engine.engine import LLMEngine
 from specserve.llm import build_engine_config
 from specserve.server.app import build_app
+from tests.conftest import DEVICE
 
 GREEDY = {"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0}
 
@@ -63,7 +64,7 @@ _chat = st.builds(lambda m, f, g: {"messages": m, "max_tokens": 3} | f | g, _mes
 
 @pytest.fixture(scope="module")
 def fuzz_client(text_model_dir):
-    engine = LLMEngine(build_engine_config(str(text_model_dir), None, device="cpu",
+    engine = LLMEngine(build_engine_config(str(text_model_dir), None, device=DEVICE,
                                            max_model_len=128))
     app = build_app(engine, ServerConfig(max_request_bytes=64 * 1024))
     with TestClient(app, base_url="http://localhost", raise_server_exceptions=False) as c:
@@ -106,7 +107,7 @@ def test_fuzz_sampling_parameters(fuzz_client, body):
 
 def test_engine_answers_the_same_after_the_fuzz(fuzz_client, text_model_dir):
     from specserve import LLM, SamplingParams
-    ref = LLM(str(text_model_dir), device="cpu", max_model_len=128).generate(
+    ref = LLM(str(text_model_dir), device=DEVICE, max_model_len=128).generate(
         GREEDY["prompt"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert fuzz_client.get("/health").status_code == 200
     r = fuzz_client.post("/v1/completions", json=GREEDY)

@@ -18,6 +18,7 @@ from specserve.engine.engine import LLMEngine
 from specserve.llm import build_engine_config
 from specserve.server.app import build_app
 from specserve.server.serve import serve
+from tests.conftest import DEVICE
 
 NAME = "tiny"
 GREEDY = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0}
@@ -25,7 +26,7 @@ JSON = {"content-type": "application/json"}
 
 
 def _engine(model_dir, **kw) -> LLMEngine:
-    return LLMEngine(build_engine_config(str(model_dir), None, device="cpu", max_model_len=128,
+    return LLMEngine(build_engine_config(str(model_dir), None, device=DEVICE, max_model_len=128,
                                          **kw))
 
 
@@ -84,7 +85,8 @@ def test_degenerate_sampling_values_are_400s_and_the_engine_lives(client, body, 
     (b'{"prompt": "x", "model": "\\udfff"}', 400, "lone UTF-16 surrogate"),
     (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
     (b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", 400, "not valid JSON"),
-    (b'{"prompt": "x", "stop": [' + b"[" * 900 + b"]" * 900 + b"]}", 400, "stop"),
+    (b'{"prompt": "x", "stop": [' + b"[" * 900 + b"]" * 900 + b"]}", 400, "nested too deeply"),
+    (b'{"prompt": "x", "stop": [[1]]}', 400, "stop"),
     (json.dumps({"prompt": [[1]] * 65}).encode(), 400, "send at most 64 per request"),
     (json.dumps({"prompt": [[1] * 100] * 11, "max_tokens": 1}).encode(), 400,
      "more than 1024 tokens in all"),

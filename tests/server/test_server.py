@@ -19,13 +19,14 @@ from specserve.config import ServerConfig
 from specserve.engine.engine import LLMEngine
 from specserve.llm import build_engine_config
 from specserve.server.app import build_app
+from tests.conftest import DEVICE
 
 NAME = "tiny"
 
 
 @contextlib.contextmanager
 def live_server(model_dir, spec=None, server_kw=None, **engine_kw):
-    engine = LLMEngine(build_engine_config(str(model_dir), spec, device="cpu", **engine_kw))
+    engine = LLMEngine(build_engine_config(str(model_dir), spec, device=DEVICE, **engine_kw))
     app = build_app(engine, ServerConfig(served_model_name=NAME, max_request_bytes=64 * 1024,
                                          **(server_kw or {})))
     with socket.socket() as s:
@@ -58,7 +59,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline(text_model_dir):
-    return LLM(str(text_model_dir), device="cpu", max_model_len=128)
+    return LLM(str(text_model_dir), device=DEVICE, max_model_len=128)
 
 
 GREEDY = dict(temperature=0, max_tokens=20)

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from specserve.data.corpus import Corpus
 from specserve.train.lm import ModelShape, train_lm
 from specserve.train.trainer import TrainConfig
+from tests.conftest import DEVICE
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ModelShape(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -29,7 +30,7 @@ def tiny_lm(small_corpus, tmp_path_factory):
     work = tmp_path_factory.mktemp("work")
     out = tmp_path_factory.mktemp("lm")
     cfg = TrainConfig(work_dir=str(work), steps=40, batch_size=4, seq_len=64, lr=3e-3, warmup=5,
-                      eval_every=40, bf16=False, device="cpu")
+                      eval_every=40, bf16=False, device=DEVICE)
     bpb = train_lm(cfg, TINY, out, vocab_size=400, corpus=small_corpus)
     log = [json.loads(line) for line in (work / "train_log.jsonl").read_text().splitlines()]
     return out, bpb, log

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from safetensors.torch import load_file
 from specserve import LLM, SamplingParams
 from specserve.train.generated import GeneratedData
 from specserve.train.trainer import TrainConfig
+from tests.conftest import DEVICE
 from tests.train.conftest import _assert_same_weights
 
 
@@ -22,7 +24,7 @@ def test_staged_head_build_skips_finished_stages(small_corpus, tiny_lm, tmp_path
 
     def stage(steps: int) -> dict:
         cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=steps, batch_size=2, seq_len=32,
-                          warmup=1, ckpt_every=1, bf16=False, device="cpu")
+                          warmup=1, ckpt_every=1, bf16=False, device=DEVICE)
         return train_head("medusa", cfg, target, tmp_path / "medusa", k=2,
                           gen=GeneratedData(num_generated=1, generated_len=8),
                           corpus=small_corpus)
@@ -60,7 +62,7 @@ def test_head_training_smoke(method, draft_vocab, top1, tiny_lm, small_corpus, t
     from specserve.train.heads import train_head
     target, _, _ = tiny_lm
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=25, batch_size=4, seq_len=64, lr=3e-3,
-                      warmup=2, eval_every=25, bf16=False, device="cpu", top1_weight=top1)
+                      warmup=2, eval_every=25, bf16=False, device=DEVICE, top1_weight=top1)
     result = train_head(method, cfg, target, tmp_path / f"tiny-{method}", k=3,
                         gen=GeneratedData(num_generated=2, generated_len=16),
                         corpus=small_corpus, draft_vocab=draft_vocab)
@@ -76,8 +78,8 @@ def test_head_training_smoke(method, draft_vocab, top1, tiny_lm, small_corpus, t
         spec["model"] = str(tmp_path / f"tiny-{method}")
     model = tmp_path / f"tiny-{method}" if method == "mtp" else target
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ref = LLM(str(target), device="cpu").generate("def f(x):", sp, use_tqdm=False)
-    got = LLM(str(model), device="cpu", speculative_config=spec).generate("def f(x):", sp,
+    ref = LLM(str(target), device=DEVICE).generate("def f(x):", sp, use_tqdm=False)
+    got = LLM(str(model), device=DEVICE, speculative_config=spec).generate("def f(x):", sp,
                                                                           use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     if method == "mtp":     # the target's weights are linked, not copied
@@ -123,7 +125,7 @@ def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path)
 
     def run(work: str, out: str, lr: float, **kw) -> dict:
         cfg = TrainConfig(work_dir=str(tmp_path / work), steps=4, batch_size=2, seq_len=32,
-                          lr=lr, warmup=1, bf16=False, device="cpu")
+                          lr=lr, warmup=1, bf16=False, device=DEVICE)
         return train_head(method, cfg, target, tmp_path / out, k=2, gen=gen,
                           corpus=small_corpus, draft_vocab=100 if method == "eagle3" else None,
                           **kw)
@@ -133,7 +135,7 @@ def test_head_training_starts_from_init(method, tiny_lm, small_corpus, tmp_path)
     _assert_same_weights(tmp_path / "first", tmp_path / "again")
     with pytest.raises(ValueError, match="does not match"):
         cfg = TrainConfig(work_dir=str(tmp_path / "w3"), steps=1, batch_size=2, seq_len=32,
-                          bf16=False, device="cpu")
+                          bf16=False, device=DEVICE)
         train_head(method, cfg, target, tmp_path / "x", k=3, gen=gen, corpus=small_corpus,
                    init=tmp_path / "first")
 
@@ -181,7 +183,7 @@ def test_eagle3_training_from_init_can_refresh_its_draft_vocab(tiny_lm, small_co
 
     def run(work: str, out: str, lr: float, vocab: int, **kw) -> dict[str, torch.Tensor]:
         cfg = TrainConfig(work_dir=str(tmp_path / work), steps=3, batch_size=2, seq_len=32,
-                          lr=lr, warmup=1, bf16=False, device="cpu")
+                          lr=lr, warmup=1, bf16=False, device=DEVICE)
         train_head("eagle3", cfg, target, tmp_path / out, k=2, gen=gen, corpus=small_corpus,
                    draft_vocab=vocab, **kw)
         return load_file(str(tmp_path / out / "model.safetensors"))
@@ -197,7 +199,7 @@ def test_eagle3_training_from_init_can_refresh_its_draft_vocab(tiny_lm, small_co
     assert torch.equal(again["fc.weight"], first["fc.weight"])
     with pytest.raises(ValueError, match="applies to heads with one \\(eagle3\\)"):
         cfg = TrainConfig(work_dir=str(tmp_path / "w3"), steps=1, batch_size=2, seq_len=32,
-                          bf16=False, device="cpu")
+                          bf16=False, device=DEVICE)
         train_head("medusa", cfg, target, tmp_path / "x", k=2, gen=gen, corpus=small_corpus,
                    init=tmp_path / "first", refresh_vocab=True)
 
@@ -221,7 +223,7 @@ def test_heads_trained_together_share_one_target_pass(tiny_lm, small_corpus, tmp
     assert {"medusa_loss", "eagle_feature_l1", "mtp_kl"} <= values.keys()
 
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=25, batch_size=4, seq_len=64, lr=3e-3,
-                      warmup=2, eval_every=25, bf16=False, device="cpu")
+                      warmup=2, eval_every=25, bf16=False, device=DEVICE)
     outs = {"medusa": tmp_path / "tiny-medusa", "mlp_speculator": tmp_path / "tiny-mlp"}
     results = train_heads(outs, cfg, target, k=3, gen=GeneratedData(num_generated=2,
                           generated_len=16), corpus=small_corpus)
@@ -229,10 +231,10 @@ def test_heads_trained_together_share_one_target_pass(tiny_lm, small_corpus, tmp
     for key in ("medusa_loss", "mlp_speculator_loss"):
         assert sum(r[key] for r in log[-3:]) < sum(r[key] for r in log[:3])
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ref = LLM(str(target), device="cpu").generate("def f(x):", sp, use_tqdm=False)
+    ref = LLM(str(target), device=DEVICE).generate("def f(x):", sp, use_tqdm=False)
     for method, out in outs.items():
         assert 1.0 <= results[method]["tau"] <= 4.0
-        got = LLM(str(target), device="cpu", speculative_config={
+        got = LLM(str(target), device=DEVICE, speculative_config={
             "method": method, "model": str(out), "num_speculative_tokens": 3}).generate(
             "def f(x):", sp, use_tqdm=False)
         assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
@@ -242,7 +244,7 @@ def test_heads_trained_together_share_one_target_pass(tiny_lm, small_corpus, tmp
 
 def _extract(target: Path, out: Path) -> list:
     """Serve a few greedy requests with extract_hidden_states writing to `out`."""
-    llm = LLM(str(target), device="cpu", speculative_config={
+    llm = LLM(str(target), device=DEVICE, speculative_config={
         "method": "extract_hidden_states", "hidden_states_dir": str(out)})
     prompts = ["def f(x):", "class A:\n    def", "import os\n"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
@@ -283,14 +285,19 @@ def test_a_head_trained_from_extracted_states_equals_one_trained_from_the_text(t
     import copy
 
     from specserve.models.loader import load_model
-    from specserve.train.heads import (build_head, head_loss, read_hidden_states, state_batches,
-                                       state_loss)
+    from specserve.train.heads import (
+        build_head,
+        head_loss,
+        read_hidden_states,
+        state_batches,
+        state_loss,
+    )
     target_dir, _, _ = tiny_lm
     _extract(target_dir, tmp_path / "states")
     target = load_model(target_dir, torch.float32, torch.device("cpu")).requires_grad_(False)
     states, layers = read_hidden_states(tmp_path / "states")
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=1, batch_size=3, seq_len=24,
-                      bf16=False, device="cpu")
+                      bf16=False, device=DEVICE)
     S = cfg.seq_len
     batch = {"xy": torch.stack([d["token_ids"][:S + 1] for d in states]),
              "positions": torch.arange(S).expand(len(states), S),
@@ -322,7 +329,7 @@ def test_train_eagle3_from_hidden_states(tiny_lm, tmp_path):
     target_dir, _, _ = tiny_lm
     _extract(target_dir, tmp_path / "states")
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=4, batch_size=2, seq_len=24,
-                      lr=3e-3, warmup=1, eval_every=4, bf16=False, device="cpu")
+                      lr=3e-3, warmup=1, eval_every=4, bf16=False, device=DEVICE)
     result = train_head("eagle3", cfg, target_dir, tmp_path / "head", k=2,
                         hidden_states=tmp_path / "states")
     assert 1.0 <= result["tau"] <= 3.0
@@ -333,12 +340,12 @@ def test_train_eagle3_from_hidden_states(tiny_lm, tmp_path):
 
 def test_hidden_state_files_are_bounded_and_need_a_directory(tiny_lm, tmp_path):
     target_dir, _, _ = tiny_lm
-    llm = LLM(str(target_dir), device="cpu", speculative_config={
+    llm = LLM(str(target_dir), device=DEVICE, speculative_config={
         "method": "extract_hidden_states", "hidden_states_dir": str(tmp_path / "s"),
         "hidden_states_max_bytes": 1})
     llm.generate(["def f(x):", "import os"], SamplingParams(temperature=0, max_tokens=8),
                  use_tqdm=False)
     assert len(list((tmp_path / "s").glob("*.safetensors"))) == 1      # then the bound held
     with pytest.raises(ValueError, match="needs 'hidden_states_dir'"):
-        LLM(str(target_dir), device="cpu",
+        LLM(str(target_dir), device=DEVICE,
             speculative_config={"method": "extract_hidden_states"})

@@ -12,6 +12,7 @@ from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.train.generated import GeneratedData
 from specserve.train.lm import ModelShape, train_draft, train_lm
 from specserve.train.trainer import TrainConfig
+from tests.conftest import DEVICE
 from tests.train.conftest import TINY, _assert_same_weights
 
 
@@ -31,7 +32,7 @@ def test_trained_model_loads_in_transformers_with_equal_greedy(tiny_lm):
     from transformers import AutoModelForCausalLM
     out, _, _ = tiny_lm
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    llm = LLM(str(out), device="cpu")
+    llm = LLM(str(out), device=DEVICE)
     prompt = llm.get_tokenizer().encode("import os\ndef ")
     got = llm.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
@@ -44,7 +45,7 @@ def test_trained_model_loads_in_transformers_with_equal_greedy(tiny_lm):
 def test_resume_continues_from_checkpoint(small_corpus, tiny_lm, tmp_path):
     out, _, _ = tiny_lm
     cfg = TrainConfig(work_dir=str(tmp_path), steps=6, batch_size=2, seq_len=32, warmup=2,
-                      ckpt_every=3, eval_every=6, bf16=False, device="cpu", max_minutes=0.0)
+                      ckpt_every=3, eval_every=6, bf16=False, device=DEVICE, max_minutes=0.0)
     train_lm(cfg, TINY, tmp_path / "out", tokenizer_dir=out, corpus=small_corpus)
     assert json.loads((tmp_path / "checkpoint.json").read_text())["step"] == 1  # stopped at once
     cfg.max_minutes = None
@@ -63,7 +64,7 @@ def test_staged_build_reruns_past_finished_stages(small_corpus, tiny_lm, tmp_pat
 
     def stage(steps: int, max_minutes: float | None = None) -> float:
         cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=steps, batch_size=2, seq_len=32,
-                          warmup=1, eval_every=4, ckpt_every=1, bf16=False, device="cpu",
+                          warmup=1, eval_every=4, ckpt_every=1, bf16=False, device=DEVICE,
                           max_minutes=max_minutes)
         return train_draft(cfg, shape, target, tmp_path / "draft", corpus=small_corpus)
 
@@ -81,7 +82,7 @@ def test_draft_distillation_lowers_kl(small_corpus, tiny_lm, tmp_path):
     shape = ModelShape(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                        intermediate_size=64, tie_embeddings=True, max_position_embeddings=128)
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=30, batch_size=4, seq_len=64, lr=3e-3,
-                      warmup=3, eval_every=30, bf16=False, device="cpu")
+                      warmup=3, eval_every=30, bf16=False, device=DEVICE)
     gen = GeneratedData(num_generated=3, generated_len=12, generated_temperature=0,
                         generated_share=0.2)
     train_draft(cfg, shape, target, tmp_path / "draft", corpus=small_corpus, gen=gen)
@@ -89,7 +90,7 @@ def test_draft_distillation_lowers_kl(small_corpus, tiny_lm, tmp_path):
     assert len(greedy) > 3 * 12
     log = [json.loads(x) for x in (tmp_path / "w" / "train_log.jsonl").read_text().splitlines()]
     assert log[-1]["kl"] < log[0]["kl"] * 0.7
-    llm = LLM(str(target), device="cpu", speculative_config={
+    llm = LLM(str(target), device=DEVICE, speculative_config={
         "model": str(tmp_path / "draft"), "num_speculative_tokens": 2})
     llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert llm.get_stats()["spec_decode_num_drafts"] > 0
@@ -102,7 +103,7 @@ def test_draft_training_starts_from_init(small_corpus, tiny_lm, tmp_path):
 
     def run(work: str, out: str, lr: float, **kw) -> None:
         cfg = TrainConfig(work_dir=str(tmp_path / work), steps=4, batch_size=2, seq_len=32,
-                          lr=lr, warmup=1, bf16=False, device="cpu")
+                          lr=lr, warmup=1, bf16=False, device=DEVICE)
         train_draft(cfg, shape, target, tmp_path / out, corpus=small_corpus, **kw)
 
     run("w1", "first", 3e-3)

@@ -56,7 +56,7 @@ def test_unlikelihood_fine_tuning_reduces_greedy_repeats(tiny_lm, small_corpus, 
 
     before = repeats(out)
     assert before > 0.3, "the tiny model should loop before fine-tuning"
-    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=30, batch_size=4, seq_len=64,
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=60, batch_size=4, seq_len=64,
                       lr=2e-3, warmup=2, eval_every=30, bf16=False, device="cpu")
     # the tiny model is nearly uniform: its repeats have small p, hence a large weight
     ul = UnlikelihoodConfig(ul_weight=20.0, prefix_len=16, rollout_len=48, ngram=4)

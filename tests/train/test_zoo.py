@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from specserve import LLM, SamplingParams
+from tests.conftest import DEVICE
 from tests.train.conftest import REPO
 
 
@@ -14,7 +15,7 @@ from tests.train.conftest import REPO
 def test_bundled_models_load_and_generate(name):
     path = REPO / "models" / name
     assert (path / "config.json").is_file(), f"bundled model {path} is missing"
-    llm = LLM(str(path), device="cpu")
+    llm = LLM(str(path), device=DEVICE)
     out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=16),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) >= 1 and out.text.strip()
@@ -28,9 +29,9 @@ def test_bundled_heads_speculate_losslessly(method):
     assert (Path(spec.get("model", model)) / "config.json").is_file(), f"{method} head missing"
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompt = "def fibonacci(n):\n    "
-    ref = LLM(str(REPO / "models" / "code-target"), device="cpu").generate(prompt, sp,
+    ref = LLM(str(REPO / "models" / "code-target"), device=DEVICE).generate(prompt, sp,
                                                                           use_tqdm=False)
-    llm = LLM(model, device="cpu", speculative_config=spec)
+    llm = LLM(model, device=DEVICE, speculative_config=spec)
     got = llm.generate(prompt, sp, use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 0

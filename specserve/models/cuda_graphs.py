@@ -1,0 +1,98 @@
+"""CUDA graphs of a model's few-row cached steps.
+
+A small model's decode step on a GPU costs the launches of its ~20 kernels per layer, not their
+work. Steps in which every request feeds the same number of tokens Q (decode: 1, verify: K+1,
+a draft model's chain: 1) are replayed from graphs captured once per shape: batch padded up to
+a bucket (1, 2, 4, 8, ...), Q, and the attended context padded up to a power of two. Padding
+rows write their KV into the cache's scratch slot and are dropped from the outputs. Other steps
+(prompt chunks, mixed batches, draft trees) run eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.kv_cache import KVCache
+from specserve.models.layers import AttentionMetadata
+
+
+def _buckets(limit: int, first: int) -> list[int]:
+    out = [first]
+    while out[-1] < limit:
+        out.append(min(2 * out[-1], limit))
+    return out
+
+
+class CudaGraphs:
+    """Replays `model`'s cached forward (ids, positions, metadata, KV layers) from CUDA graphs
+    for uniform steps of up to `max_batch` requests of `max_query_len` tokens each."""
+
+    def __init__(self, model: nn.Module, cache: KVCache, max_batch: int,
+                 max_query_len: int = 16) -> None:
+        assert cache.scratch is not None, "CUDA graphs pad batches into the cache's scratch slot"
+        self.model, self.cache = model, cache
+        self.max_query_len = max_query_len
+        self.batch_buckets = _buckets(max_batch, 1)
+        self.len_buckets = _buckets(cache.max_len, min(256, cache.max_len))
+        self.device = cache.layers[0][0].device
+        self.pool = torch.cuda.graph_pool_handle()
+        # what the graphs read must outlive them: the key positions, and the inputs below
+        self.span = torch.arange(cache.max_len, device=self.device)
+        # (batch bucket, Q, context bucket, aux layers) -> (graph, inputs, outputs)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple]] = {}
+
+    def fits(self, lens: list[int]) -> bool:
+        q = lens[0]
+        return (len(lens) <= self.batch_buckets[-1] and q <= self.max_query_len
+                and all(n == q for n in lens))
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], starts: list[int], q: int, slots: list[int],
+            aux_layers: tuple[int, ...] = ()
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Feed request i its q tokens ids[i*q:(i+1)*q] from position starts[i] into KV slot
+        slots[i]. Returns logits [B*q, V] (float32), final hidden states [B*q, H] and the
+        aux layers' inputs [B*q, n*H] (or None), fresh tensors."""
+        B = len(slots)
+        bb = next(b for b in self.batch_buckets if b >= B)
+        ctx = max(starts) + q
+        lb = next(n for n in self.len_buckets if n >= ctx)
+        key = (bb, q, lb, aux_layers)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bb, q, lb, aux_layers)
+        graph, inputs, outputs = self.graphs[key]
+        pad = bb - B
+        positions = [s + j for s in starts for j in range(q)] + [0] * (pad * q)
+        token_slots = [sl for sl in slots for _ in range(q)] + [self.cache.scratch] * (pad * q)
+        inputs.copy_(torch.tensor(ids + [0] * (pad * q) + positions + token_slots + slots
+                                  + [self.cache.scratch] * pad, dtype=torch.long))
+        graph.replay()
+        n = B * q
+        return tuple(None if t is None else t[:n].clone() for t in outputs)
+
+    def _capture(self, bb: int, q: int, lb: int, aux_layers: tuple[int, ...]):
+        n = bb * q
+        inputs = torch.zeros(3 * n + bb, dtype=torch.long, device=self.device)
+        inputs[2 * n:].fill_(self.cache.scratch)        # warm-up runs write the scratch slot
+        ids, positions, token_slots, slot_ids = inputs.split([n, n, n, bb])
+        span = self.span[:lb]
+
+        def step():
+            mask = (span[None, None, :] <= positions.view(bb, q)[:, :, None]).unsqueeze(1)
+            md = AttentionMetadata(token_slots=token_slots, positions=positions,
+                                   slot_ids=slot_ids, first_slot=None, batch_size=bb,
+                                   max_query_len=q, max_kv_len=lb, pad_index=None, mask=mask)
+            out = self.model(ids, positions, md, self.cache.layers, aux_layers=aux_layers)
+            hidden, aux = out if aux_layers else (out, None)
+            return self.model.compute_logits(hidden).float(), hidden, aux
+
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):                 # warm-up (lazy initialisations)
+            step()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = step()
+        return graph, inputs, outputs
