@@ -43,8 +43,8 @@ class ModelRunner:
             cu.append(cu[-1] + item.num_new_tokens)
             sample_rows.extend(range(cu[-1] - item.num_sample_rows, cu[-1]))
         tree = any(b.num_spec_tokens and b.request.spec_parents is not None for b in batch)
-        if not tree and self.graphs is not None and self.graphs.fits(lens):
-            logits, hidden, aux = self.graphs.run(ids, starts, lens[0], slots, self.aux_layers)
+        if not tree and self.graphs is not None and self.graphs.fits(starts, lens):
+            logits, hidden, aux = self.graphs.run(ids, starts, lens, slots, self.aux_layers)
             if len(sample_rows) != len(ids):
                 logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
             return RunnerOutput(logits, hidden, aux, cu, starts)

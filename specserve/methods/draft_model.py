@@ -28,6 +28,11 @@ class _DraftState:
     fed_drafts: list[int] | None = None   # drafts fed last step (beyond num_computed)
 
 
+def _last_rows(lens: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """Index of each request's last row in a flat ragged batch."""
+    return torch.tensor(lens, device=rows.device).cumsum(0) - 1
+
+
 class DraftModelProposer(ProposerBase):
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext) -> None:
         draft_cfg = load_hf_config(config.model)
@@ -57,15 +62,14 @@ class DraftModelProposer(ProposerBase):
     def _forward(self, reqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Feed each request its tokens at `starts`; returns logits of each one's last token."""
         lens = [len(t) for t in token_lists]
-        if self.graphs is not None and self.graphs.fits(lens):
-            logits, _, _ = self.graphs.run([t for ts in token_lists for t in ts], starts,
-                                           lens[0], [r.slot for r in reqs])
-            return logits.view(len(reqs), lens[0], -1)[:, -1]               # [B, V]
+        if self.graphs is not None and self.graphs.fits(starts, lens):
+            logits, _, _ = self.graphs.run([t for ts in token_lists for t in ts], starts, lens,
+                                           [r.slot for r in reqs])                # [T, V]
+            return logits if len(logits) == len(reqs) else logits[_last_rows(lens, logits)]
         ids, positions, md = ragged_inputs(token_lists, starts, [r.slot for r in reqs],
                                            self.device)
         hidden = self.model(ids, positions, md, self.cache.layers)           # [T, H]
-        last = torch.tensor([len(t) for t in token_lists], device=self.device).cumsum(0) - 1
-        return self.model.compute_logits(hidden[last]).float()              # [B, V]
+        return self.model.compute_logits(hidden[_last_rows(lens, hidden)]).float()   # [B, V]
 
     def _pick(self, logits: torch.Tensor, reqs) -> tuple[list[int], list[torch.Tensor | None]]:
         """Next draft token per row: argmax, or a temperature sample with its probabilities."""

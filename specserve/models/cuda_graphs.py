@@ -1,11 +1,11 @@
 """CUDA graphs of a model's few-row cached steps.
 
 A small model's decode step on a GPU costs the launches of its ~20 kernels per layer, not their
-work. Steps in which every request feeds the same number of tokens Q (decode: 1, verify: K+1,
-a draft model's chain: 1) are replayed from graphs captured once per shape: batch padded up to
-a bucket (1, 2, 4, 8, ...), Q, and the attended context padded up to a power of two. Padding
-rows write their KV into the cache's scratch slot and are dropped from the outputs. Other steps
-(prompt chunks, mixed batches, draft trees) run eagerly.
+work. Steps in which every request feeds at most `max_query_len` tokens (decode: 1, verify: up
+to K+1, a draft model's chain: 1) are replayed from graphs captured once per shape: each request
+padded to the step's longest Q, the batch to a bucket (1, 2, 4, 8, ...), the attended context
+to a power of two. Padding rows write their KV into the cache's scratch slot and are dropped
+from the outputs. Other steps (long prompt chunks, draft trees) run eagerly.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _buckets(limit: int, first: int) -> list[int]:
 
 class CudaGraphs:
     """Replays `model`'s cached forward (ids, positions, metadata, KV layers) from CUDA graphs
-    for uniform steps of up to `max_batch` requests of `max_query_len` tokens each."""
+    for steps of up to `max_batch` requests of up to `max_query_len` tokens each."""
 
     def __init__(self, model: nn.Module, cache: KVCache, max_batch: int,
                  max_query_len: int = 16) -> None:
@@ -42,34 +42,39 @@ class CudaGraphs:
         # (batch bucket, Q, context bucket, aux layers) -> (graph, inputs, outputs)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple]] = {}
 
-    def fits(self, lens: list[int]) -> bool:
-        q = lens[0]
-        return (len(lens) <= self.batch_buckets[-1] and q <= self.max_query_len
-                and all(n == q for n in lens))
+    def fits(self, starts: list[int], lens: list[int]) -> bool:
+        return (len(lens) <= self.batch_buckets[-1] and max(lens) <= self.max_query_len
+                and max(starts) + max(lens) <= self.cache.max_len)
 
     @torch.inference_mode()
-    def run(self, ids: list[int], starts: list[int], q: int, slots: list[int],
+    def run(self, ids: list[int], starts: list[int], lens: list[int], slots: list[int],
             aux_layers: tuple[int, ...] = ()
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Feed request i its q tokens ids[i*q:(i+1)*q] from position starts[i] into KV slot
-        slots[i]. Returns logits [B*q, V] (float32), final hidden states [B*q, H] and the
-        aux layers' inputs [B*q, n*H] (or None), fresh tensors."""
-        B = len(slots)
+        """Feed request i its lens[i] tokens (request-major in `ids`) from position starts[i]
+        into KV slot slots[i]. Returns, for the T = sum(lens) rows: logits [T, V] (float32),
+        final hidden states [T, H] and the aux layers' inputs [T, n*H] (or None), all fresh."""
+        B, q, scratch = len(slots), max(lens), self.cache.scratch
         bb = next(b for b in self.batch_buckets if b >= B)
-        ctx = max(starts) + q
-        lb = next(n for n in self.len_buckets if n >= ctx)
+        lb = next(n for n in self.len_buckets if n >= max(starts) + q)
         key = (bb, q, lb, aux_layers)
         if key not in self.graphs:
             self.graphs[key] = self._capture(bb, q, lb, aux_layers)
         graph, inputs, outputs = self.graphs[key]
-        pad = bb - B
-        positions = [s + j for s in starts for j in range(q)] + [0] * (pad * q)
-        token_slots = [sl for sl in slots for _ in range(q)] + [self.cache.scratch] * (pad * q)
-        inputs.copy_(torch.tensor(ids + [0] * (pad * q) + positions + token_slots + slots
-                                  + [self.cache.scratch] * pad, dtype=torch.long))
+        tokens, positions, token_slots, rows = [], [], [], []
+        for b, (s, n, slot) in enumerate(zip(starts, lens, slots)):
+            tokens += ids[len(rows):len(rows) + n] + [0] * (q - n)
+            positions += range(s, s + q)
+            token_slots += [slot] * n + [scratch] * (q - n)
+            rows += range(b * q, b * q + n)
+        pad = (bb - B) * q
+        inputs.copy_(torch.tensor(tokens + [0] * pad + positions + [0] * pad + token_slots
+                                  + [scratch] * pad + slots + [scratch] * (bb - B),
+                                  dtype=torch.long))
         graph.replay()
-        n = B * q
-        return tuple(None if t is None else t[:n].clone() for t in outputs)
+        if len(rows) == B * q:
+            return tuple(None if t is None else t[:len(rows)].clone() for t in outputs)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return tuple(None if t is None else t[index] for t in outputs)
 
     def _capture(self, bb: int, q: int, lb: int, aux_layers: tuple[int, ...]):
         n = bb * q
