@@ -42,8 +42,11 @@ class HeadProposer(ProposerBase):
         max_len = ctx.max_model_len + config.num_speculative_tokens + 1
         self.head.rotary = Rotary(a.head_dim, max_len, a.rope_theta, a.rope_scaling).to(
             ctx.device)
-        self.cache = ctx.new_kv_cache(1, a.num_key_value_heads, max_len, a.head_dim,
-                                      next(self.head.parameters()).dtype)
+        self.num_layers = self.head.num_step_layers      # taking turns over the draft steps
+        for step in range(self.num_layers):
+            self.head.step_head(step).rotary = self.head.rotary
+        self.cache = ctx.new_kv_cache(self.num_layers, a.num_key_value_heads, max_len,
+                                      a.head_dim, next(self.head.parameters()).dtype)
         self.caches = [self.cache]
         self.modules = {"head": self.head}
         self.device = ctx.device
@@ -51,16 +54,20 @@ class HeadProposer(ProposerBase):
         self.tree = config.token_tree()             # None: draft a chain
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
         # greedy chains in one compiled call where the head has one (on the CPU kernel)
-        self.chain = self.head.kernel_chain(self.cache.layers[0]) if self.tree is None else None
+        self.chain = (self.head.kernel_chain(self.cache.layers[0])
+                      if self.tree is None and self.num_layers == 1 else None)
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs
         # request id -> target feature rows [n, F] for the positions after num_verified
         self.pending: dict[str, list[torch.Tensor]] = {}
         self.num_seen: dict[str, int] = {}          # num_verified + pending rows
 
-    def _run(self, reqs, token_lists, h: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    def _run(self, reqs, token_lists, h: torch.Tensor, starts: list[int],
+             step: int = 0) -> torch.Tensor:
+        """Draft step `step`'s head (0: the target-fed one) over the pairs (h, token)."""
         ids, positions, md = ragged_inputs(token_lists, starts, [r.slot for r in reqs],
                                            self.device)
-        return self.head(ids, h, positions, md, self.cache.layers[0])        # [T, H]
+        return self.head.step_head(step)(ids, h, positions, md,
+                                         self.cache.layers[step % self.num_layers])  # [T, H]
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
@@ -113,12 +120,13 @@ class HeadProposer(ProposerBase):
                                                     batch.max_num_tokens, self.threshold)]
         drafts: list[list[int]] = [[] for _ in drafting]
         active = list(range(len(drafting)))
-        while True:
+        for step in itertools.count():
+            head = self.head.step_head(step)
             if self.threshold:
-                toks, conf = self.head.greedy_tokens_with_prob(state)
+                toks, conf = head.greedy_tokens_with_prob(state)
                 sure = (conf >= self.threshold).tolist()
             else:
-                toks, sure = self.head.greedy_tokens(state), [True] * len(active)
+                toks, sure = head.greedy_tokens(state), [True] * len(active)
             for j, t in zip(active, toks.tolist()):
                 drafts[j].append(t)
             keep = [n for n, j in enumerate(active)
@@ -129,7 +137,8 @@ class HeadProposer(ProposerBase):
             state = state[keep]
             sub = [drafting[j] for j in active]
             state = self._run(sub, [[drafts[j][-1]] for j in active], state,
-                              [r.num_tokens - 2 + len(drafts[j]) for r, j in zip(sub, active)])
+                              [r.num_tokens - 2 + len(drafts[j]) for r, j in zip(sub, active)],
+                              step + 1)
         return [Proposal(d) for d in drafts]
 
     def _draft_trees(self, reqs, budgets: list[int], state: torch.Tensor) -> list[Proposal]:
@@ -142,16 +151,17 @@ class HeadProposer(ProposerBase):
         tokens = [[0] * len(t) for t in trees]
         outs: dict[tuple[int, int], torch.Tensor] = {(j, -1): state[j] for j in range(len(reqs))}
 
-        def fill(nodes: list[tuple[int, int]], rows: torch.Tensor) -> None:
+        def fill(nodes: list[tuple[int, int]], rows: torch.Tensor, depth: int) -> None:
             # tokens of the children of each (request, node) from that node's head output [N, H]
             kids = [[c for c, p in enumerate(parents[j]) if p == i] for j, i in nodes]
             need = 1 + max((ranks[j][c] for (j, _), ks in zip(nodes, kids) for c in ks),
                            default=0)
-            for (j, _), ks, top in zip(nodes, kids, self.head.top_tokens(rows, need).tolist()):
+            tops = self.head.step_head(depth).top_tokens(rows, need).tolist()
+            for (j, _), ks, top in zip(nodes, kids, tops):
                 for c in ks:
                     tokens[j][c] = top[ranks[j][c]]
 
-        fill([(j, -1) for j in range(len(reqs))], state)
+        fill([(j, -1) for j in range(len(reqs))], state, 0)
         for d in range(1, max(t.depth for t in trees)):
             nodes = [(j, i) for j in range(len(reqs)) for i in sorted(set(parents[j]) - {-1})
                      if depths[j][i] == d]
@@ -171,9 +181,10 @@ class HeadProposer(ProposerBase):
             h = torch.stack([outs[(j, parents[j][i])] for j, i in order])       # [N, H]
             positions = torch.tensor([p + d for j, p in zip(live, last) for _ in by_req[j]],
                                      device=self.device)
-            o = self.head(ids, h, positions, md, self.cache.layers[0])          # [N, H]
+            o = self.head.step_head(d)(ids, h, positions, md,
+                                       self.cache.layers[d % self.num_layers])  # [N, H]
             outs.update({node: o[n] for n, node in enumerate(order)})
-            fill(order, o)
+            fill(order, o, d)
         return [Proposal(toks, parents=None if t.is_chain else list(p))
                 for toks, t, p in zip(tokens, trees, parents)]
 

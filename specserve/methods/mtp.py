@@ -1,6 +1,9 @@
-"""MTP (DeepSeek-V3 style multi-token prediction): the target's own extra layer,
+"""MTP (DeepSeek-V3 style multi-token prediction): the target's own extra layers,
 block(eh_proj([enorm(embed(x_t+1)); hnorm(h_t)])), stored in the target checkpoint as
-`model.layers.{L}.*` (`num_nextn_predict_layers` in its config.json)."""
+`model.layers.{L}.*`, `model.layers.{L+1}.*`, ... (`num_nextn_predict_layers` in its
+config.json). Several layers take turns over the draft steps, as vLLM runs them: the first is
+fed the target's states, layer i drafts token i+1 from layer i-1's output, and each keeps its
+own KV cache."""
 
 from __future__ import annotations
 
@@ -55,21 +58,52 @@ class MTPLayer(StatefulHead):
                            self.shared_head_norm, None, cache)
 
 
+class MTPStack(StatefulHead):
+    """Several MTP layers sharing the target's embedding; draft step i runs layer i mod n."""
+
+    def __init__(self, layers: list[MTPLayer]) -> None:
+        super().__init__(layers[0].args, layers[0].embed_tokens, None)
+        self.layers = nn.ModuleList(layers)
+        self.num_step_layers = len(layers)
+
+    def step_head(self, step: int) -> MTPLayer:
+        return self.layers[step % len(self.layers)]
+
+    def forward(self, token_ids, h, positions, md, cache):
+        return self.layers[0](token_ids, h, positions, md, cache)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return self.layers[0].logits(out)
+
+
 def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
              token_counts=None) -> MTPLayer:
     return MTPLayer(layer_args(target.args), target.embed_tokens, target.lm_head)
 
 
-def read(path: str | Path, target: nn.Module) -> MTPLayer:
+def read(path: str | Path, target: nn.Module) -> MTPLayer | MTPStack:
     d = Path(path)
     cfg = load_hf_config(d)
     n = cfg.get("num_nextn_predict_layers", 0)
     if not n:
         raise ValueError(f"{d / 'config.json'}: num_nextn_predict_layers is 0 or missing; this "
                          "model has no MTP layer")
+    tensors = read_state_dict(d)
     L = target.args.num_hidden_layers
-    prefix = f"model.layers.{L}."
-    raw = {k[len(prefix):]: v for k, v in read_state_dict(d).items() if k.startswith(prefix)}
+    layers = [_read_layer(tensors, f"model.layers.{L + i}.", target, d) for i in range(n)]
+    if n == 1:
+        return layers[0]
+    for layer in layers[1:]:                # one embedding, as the checkpoint shares it
+        layer.embed_tokens = layers[0].embed_tokens
+    return MTPStack(layers)
+
+
+def _read_layer(tensors: dict[str, torch.Tensor], prefix: str, target: nn.Module,
+                d: Path) -> MTPLayer:
+    raw = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    if not raw:
+        raise ValueError(f"{d}: num_nextn_predict_layers counts an MTP layer {prefix}* that the "
+                         "checkpoint does not hold")
     state = {}
     for k, v in raw.items():
         if k.startswith(("enorm.", "hnorm.", "eh_proj.")):
@@ -90,7 +124,8 @@ def read(path: str | Path, target: nn.Module) -> MTPLayer:
         lm_head = nn.Linear(target.args.hidden_size, target.args.vocab_size, bias=False)
         lm_head.weight.data.copy_(state.pop("lm_head.weight"))
     layer = MTPLayer(target.args, emb, lm_head)
-    assign_weights(layer, state, str(d), optional=("embed_tokens.", "lm_head.", "rotary."))
+    assign_weights(layer, state, f"{d} ({prefix}*)",
+                   optional=("embed_tokens.", "lm_head.", "rotary."))
     return layer
 
 

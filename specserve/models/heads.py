@@ -30,6 +30,14 @@ class StatefulHead(nn.Module):
         if lm_head is not None:
             self.lm_head = lm_head
 
+    # KV-cached layers that take turns over the draft steps (MTP checkpoints with several)
+    num_step_layers = 1
+
+    def step_head(self, step: int) -> StatefulHead:
+        """The head that runs draft step `step` (0: the one fed the target's states) and
+        reads its KV cache layer step % num_step_layers."""
+        return self
+
     def fuse_target(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's hidden states [T, H] as this head's input state."""
         return hidden

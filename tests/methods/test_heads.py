@@ -103,18 +103,22 @@ def mlp_speculator_ckpt(d: Path, n_predict: int = 3, inner: int = 48) -> Path:
     return write(d, cfg, t)
 
 
-def mtp_target(d: Path) -> Path:
-    """The tiny llama plus one DeepSeek-style MTP layer at index L = 2."""
+def mtp_target(d: Path, layers: int = 1, declared: int | None = None) -> Path:
+    """The tiny llama plus `layers` DeepSeek-style MTP layers from index L = 2 (config.json
+    says `declared`, by default as many)."""
     make_hf_model("llama", d)
     from safetensors.torch import load_file
     g = torch.Generator().manual_seed(5)
     t = load_file(str(d / "model.safetensors"))
-    p = "model.layers.2."
-    t |= {p + "enorm.weight": torch.ones(H), p + "hnorm.weight": torch.ones(H),
-          p + "eh_proj.weight": _rand(H, 2 * H, gen=g), p + "shared_head.norm.weight": torch.ones(H)}
-    t |= _layer(p, g)
+    for i in range(layers):
+        p = f"model.layers.{2 + i}."
+        t |= {p + "enorm.weight": torch.ones(H), p + "hnorm.weight": torch.ones(H),
+              p + "eh_proj.weight": _rand(H, 2 * H, gen=g),
+              p + "shared_head.norm.weight": torch.ones(H)}
+        t |= _layer(p, g)
     save_file(t, str(d / "model.safetensors"))
-    cfg = json.loads((d / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    cfg = json.loads((d / "config.json").read_text()) | {
+        "num_nextn_predict_layers": declared or layers}
     (d / "config.json").write_text(json.dumps(cfg))
     return d
 
@@ -217,6 +221,40 @@ def test_mtp_is_lossless_and_loads_from_the_target(tmp_path, llama_dir):
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 0 or missing"):
         LLM(str(llama_dir), device=DEVICE, speculative_config={"method": "mtp",
                                                                 "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 2}, {"num_speculative_tokens": 4},
+                                  {"speculative_token_tree": "[(0,), (1,), (0, 0), (0, 0, 0)]"}])
+def test_mtp_with_several_layers_uses_them_in_turn(tmp_path, spec):
+    """Two MTP layers: K defaults to 2, step i runs layer i mod 2 with its own KV cache (K = 4
+    cycles them; a tree runs one per level), and the output is the target's."""
+    from specserve.methods.mtp import MTPStack
+    target = mtp_target(tmp_path / "mtp2", layers=2)
+    ps = _prompts(4, seed=8)
+    ref = [o.outputs[0].token_ids for o in LLM(str(target), device=DEVICE).generate(
+        ps, GREEDY, use_tqdm=False)]
+    llm = LLM(str(target), device=DEVICE, speculative_config={"method": "mtp"} | spec)
+    proposer = llm.engine.proposer
+    assert isinstance(proposer.head, MTPStack) and len(proposer.cache.layers) == 2
+    if "num_speculative_tokens" not in spec:
+        assert llm.engine.spec.num_speculative_tokens == 4          # the tree's nodes
+    calls = [0, 0]
+    for i, layer in enumerate(proposer.head.layers):
+        layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
+    assert got == ref and llm.get_stats()["spec_decode_num_drafts"] > 0
+    assert calls[0] > 0 and calls[1] > 0
+    assert proposer.head.layers[1].eh_proj.weight.data_ptr() != \
+        proposer.head.layers[0].eh_proj.weight.data_ptr()
+
+
+def test_mtp_default_k_is_its_layer_count_and_a_missing_layer_is_named(tmp_path):
+    target = mtp_target(tmp_path / "mtp2", layers=2)
+    assert LLM(str(target), device=DEVICE, speculative_config={
+        "method": "mtp"}).engine.spec.num_speculative_tokens == 2
+    short = mtp_target(tmp_path / "mtp-short", layers=1, declared=2)
+    with pytest.raises(ValueError, match=r"MTP layer model\.layers\.3\.\* that the checkpoint"):
+        LLM(str(short), device=DEVICE, speculative_config={"method": "mtp"})
 
 
 def test_head_acceptance_bookkeeping(tmp_path, llama_dir):
