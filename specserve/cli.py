@@ -108,7 +108,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.kind in head_methods():
         from specserve.train.heads import train_head
         result = train_head(args.kind, cfg, Path(args.target), Path(args.out),
-                            k=args.num_speculative_tokens,
+                            k=args.num_speculative_tokens or 4,
                             gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)),
                             draft_vocab=args.draft_vocab_size,
                             init=Path(args.init) if args.init else None,
@@ -116,7 +116,15 @@ def cmd_train(args: argparse.Namespace) -> None:
                             hidden_states=Path(args.hidden_states) if args.hidden_states else None)
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
-    if args.kind == "lm":
+    if args.kind == "pard":
+        from specserve.train.pard import train_pard
+        if not (args.draft and args.target):
+            raise SystemExit("specserve train pard needs --draft DIR (the draft to adapt) and "
+                             "--target DIR (the target it drafts for)")
+        bpb = train_pard(cfg, Path(args.draft), Path(args.target), Path(args.out),
+                         k=args.num_speculative_tokens or 8,
+                         gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)))
+    elif args.kind == "lm":
         bpb = train_lm(cfg, shape, Path(args.out), vocab_size=args.vocab_size)
     elif args.kind == "unlikelihood":
         from specserve.train.unlikelihood import UnlikelihoodConfig, train_unlikelihood
@@ -180,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model: lm (pretraining), unlikelihood (fine-tune "
                        "--target so that its greedy output stops looping), draft "
-                       "(distillation) or a draft head for a target")
-    t.add_argument("kind", choices=["lm", "unlikelihood", "draft", *head_methods()])
+                       "(distillation), pard (adapt --draft to parallel drafting) or a draft "
+                       "head for a target")
+    t.add_argument("kind", choices=["lm", "unlikelihood", "draft", "pard", *head_methods()])
     t.add_argument("--out", required=True, help="the trained model's HF directory")
     t.add_argument("--work-dir", default=None, help="checkpoints and logs; a run resumes from "
                    "here (default: runs/<name of --out>)")
@@ -190,9 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init", default=None,
                    help="draft and heads: start from this trained draft or head (one made for "
                         "an earlier version of the target, say) instead of fresh weights")
-    t.add_argument("--num-speculative-tokens", type=int, default=4,
+    t.add_argument("--draft", default=None,
+                   help="pard: the trained draft model to adapt to parallel drafting")
+    t.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="heads: tokens the head drafts (Medusa heads, MLP stages; tau is "
-                        "measured at this K)")
+                        "measured at this K; default 4); pard: the most drafts per pass it is "
+                        "trained for (default 8)")
     t.add_argument("--draft-vocab-size", type=int, default=None,
                    help="eagle3: keep only this many most frequent target tokens in the head's "
                         "lm_head (default: the whole vocabulary)")

@@ -237,3 +237,18 @@ def test_prompt_ms_times_a_prompt_of_the_given_length(llama_dir):
         ids, *a, **k)
     assert prompt_ms(llm, 40, repeats=2) > 0
     assert fed == [40, 40, 40]            # a warm-up and two timed runs, one prompt step each
+
+
+def test_draft_model_plus_parallel_drafts_with_the_zoos_pard_draft(tmp_path):
+    got = configs(_args("--methods", "draft_model,draft_model+parallel+k=8,"
+                        "draft_model+parallel@other"))
+    assert got["draft_model+parallel+k=8"][1] == {
+        "method": "draft_model", "num_speculative_tokens": 8, "parallel_drafting": True,
+        "model": "models/code-draft-pard"}
+    assert got["draft_model+parallel@other"][1]["model"] == "other"
+    target, draft = tmp_path / "t", tmp_path / "d"
+    for d in (target, draft, tmp_path / "d-pard"):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    avail = configs(_args("--target", str(target), "--draft", str(draft)))
+    assert avail["draft_model+parallel"][1]["model"] == str(tmp_path / "d-pard")

@@ -25,6 +25,14 @@ def _draft(draft_dir) -> dict:
     return {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
 
 
+def _pard(p) -> str:
+    """The target with a mask token in its config (what a PARD draft has): drafting itself
+    autoregressively it is always accepted, drafting behind masks it was not trained for not."""
+    from tests.methods.test_pard import _with_mask
+    d = p.tmp / "pard"
+    return str(d if d.is_dir() else _with_mask(p.target, d))
+
+
 def _extract(p, name: str) -> dict:
     return {"method": "extract_hidden_states", "hidden_states_dir": str(p.tmp / name)}
 
@@ -91,6 +99,9 @@ CASES = {
     "hybrid_prompt_lookup": (lambda p: _draft(p.draft), lambda p: _draft(p.draft) | {
         "hybrid_prompt_lookup": 1}, {}),
     "adaptive_k": (lambda p: NGRAM, lambda p: NGRAM | {"adaptive_k": True}, {}),
+    "parallel_drafting": (lambda p: _draft(p.draft) | {"model": _pard(p)},
+                          lambda p: _draft(p.draft) | {"model": _pard(p),
+                                                       "parallel_drafting": True}, {}),
     "hidden_states_layers": (lambda p: _extract(p, "a"),
                              lambda p: _extract(p, "b") | {"hidden_states_layers": [0]}, {}),
     "hidden_states_max_bytes": (lambda p: _extract(p, "a"),

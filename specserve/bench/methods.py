@@ -38,7 +38,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "whose draft or head exists (heads at <target>-<method>); METHOD@DIR "
                         "takes the draft or head from DIR (compare two heads side by side); "
                         "suffixes, combinable: METHOD+tree drafts the --token-tree (eagle, "
-                        "eagle3, medusa, mtp), METHOD+k=N drafts N tokens, METHOD+conf=P sets "
+                        "eagle3, medusa, mtp), draft_model+parallel drafts in one pass (PARD; "
+                        "the draft at <draft>-pard unless @DIR), METHOD+k=N drafts N tokens, "
+                        "METHOD+conf=P sets "
                         "draft_confidence_threshold P (draft_model, eagle, eagle3, mtp), "
                         "METHOD+lookup=N sets hybrid_prompt_lookup N (model-based methods), "
                         "e.g. eagle3+k=8+conf=0.2, eagle3+lookup=4")
@@ -63,6 +65,8 @@ def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:
         if not token_tree:
             raise SystemExit(f"{name!r}: '+tree' needs --token-tree")
         return {"speculative_token_tree": token_tree}
+    if suffix == "parallel":
+        return {"parallel_drafting": True}
     try:
         if key == "k" and eq:
             return {"num_speculative_tokens": int(value)}
@@ -73,13 +77,14 @@ def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:
     except ValueError:
         pass
     raise SystemExit(f"{name!r}: unknown suffix {'+' + suffix!r}; use +tree (with --token-tree), "
-                     "+k=N, +conf=P or +lookup=N")
+                     "+parallel, +k=N, +conf=P or +lookup=N")
 
 
 def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
     """method name -> (model to load, speculative_config), from the common flags."""
     extra = json.loads(a.spec_extra) if a.spec_extra else {}
     names = (tuple(n for n, s in methods.REGISTRY.items() if s.in_benchmarks)
+             + ("draft_model+parallel",)
              if a.methods == "available" else tuple(filter(None, a.methods.split(","))))
     out = {}
     for name in names:
@@ -93,6 +98,8 @@ def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
         uses = methods.get(m)
         if path and not (uses.needs_model or uses.reads_hidden_states):
             raise SystemExit(f"{m} drafts without a model; drop '@{path}'")
+        if "parallel" in suffixes and not path:     # the zoo's parallel draft beside the draft
+            path = f"{a.draft}-pard"
         if path:
             model, spec = (path, spec) if uses.model_is_target else (model, spec | {"model": path})
         needed = Path(spec.get("model", model))

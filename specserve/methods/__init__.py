@@ -135,6 +135,8 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
                 "draft_confidence_threshold")
     _capability(config.draft_sample_method == "probabilistic", spec, "samples_drafts",
                 "draft_sample_method 'probabilistic'")
+    _capability(config.parallel_drafting, spec, "drafts_in_parallel",
+                "parallel_drafting")
     if (config.rejection_sample_method == "probabilistic"
             and config.draft_sample_method != "probabilistic"):
         raise ValueError("rejection_sample_method 'probabilistic' tests drafts against the "

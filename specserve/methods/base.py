@@ -172,6 +172,7 @@ class MethodSpec:
     drafts_trees: bool = False                # takes speculative_token_tree
     steps_drafts: bool = False                # drafts token by token: draft_confidence_threshold
     samples_drafts: bool = False              # draft_sample_method 'probabilistic' (with probs)
+    drafts_in_parallel: bool = False          # parallel_drafting: K drafts in one drafter pass
     keys: tuple[str, ...] = ()                # speculative_config keys only this method takes
     # the K its checkpoint (a directory) gives when num_speculative_tokens is left out
     default_k: Callable[[str], int | None] | None = None

@@ -1,4 +1,5 @@
-"""A small LM with the target's tokenizer drafts K tokens autoregressively.
+"""A small LM with the target's tokenizer drafts K tokens: autoregressively, or all K in one
+pass (PARD, `parallel_drafting`).
 
 The draft keeps its own KV cache, allocated in lockstep with the target's (same slot per
 request). Per request it remembers how many tokens its cache holds; drafts that the target
@@ -6,10 +7,16 @@ rejected are forgotten by lowering that count, exactly like the target's rollbac
 step runs one ragged catch-up pass (the tokens the draft has not seen: the last accepted token
 and the bonus/recovered one, or the whole prompt at first) and then K-1 one-token passes,
 batched across requests.
+
+A PARD draft (trained with `specserve train pard`; its config.json names a mask token,
+`pard_token`) appends K-1 mask tokens to the catch-up pass: the logits of the last real token
+and of mask i give drafts 1 and i+1, so one pass drafts K tokens. The masks' KV lies past the
+request's tokens, where the next step's catch-up writes before anything reads it.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +25,20 @@ from specserve.config import SpeculativeConfig
 from specserve.kernels.cpu import max_rows
 from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 from specserve.models.loader import load_hf_config, load_model
+
+# where a parallel drafter's config.json names its mask token, in vLLM's order of lookup
+MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
+
+
+def mask_token_id(draft_cfg: dict, path: str) -> int:
+    """The mask token a parallel draft was trained with (ValueError when it names none)."""
+    for key in MASK_TOKEN_KEYS:
+        if isinstance(draft_cfg.get(key), int):
+            return draft_cfg[key]
+    raise ValueError(f"{path}: parallel_drafting needs a draft trained for it, and its "
+                     f"config.json names no mask token ({', '.join(MASK_TOKEN_KEYS)}); train "
+                     "one from this draft with `specserve train pard --draft DIR --target DIR "
+                     "--out DIR`, or leave parallel_drafting off")
 from specserve.models.metadata import ragged_inputs
 from specserve.sampling.sampler import greedy_ids, sample_from
 
@@ -28,9 +49,11 @@ class _DraftState:
     fed_drafts: list[int] | None = None   # drafts fed last step (beyond num_computed)
 
 
-def _last_rows(lens: list[int], rows: torch.Tensor) -> torch.Tensor:
-    """Index of each request's last row in a flat ragged batch."""
-    return torch.tensor(lens, device=rows.device).cumsum(0) - 1
+def _last_rows(lens: list[int], last: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """Index of each request's last `last[i]` rows in a flat ragged batch of `lens` rows."""
+    ends = itertools.accumulate(lens)
+    return torch.tensor([i for e, n in zip(ends, last) for i in range(e - n, e)],
+                        device=rows.device)
 
 
 class DraftModelProposer(ProposerBase):
@@ -54,22 +77,31 @@ class DraftModelProposer(ProposerBase):
         self.device = ctx.device
         self.sample = config.draft_sample_method == "probabilistic"
         self.threshold = config.draft_confidence_threshold
+        self.mask_id = mask_token_id(draft_cfg, config.model) if config.parallel_drafting else None
+        if self.mask_id is not None and not 0 <= self.mask_id < ctx.vocab_size:
+            raise ValueError(f"{config.model}: mask token {self.mask_id} is outside the "
+                             f"vocabulary [0, {ctx.vocab_size})")
         self.state: dict[str, _DraftState] = {}
         # greedy chains in one compiled call where the model has one (on the CPU kernel)
-        self.chain = self.model.kernel_chain(self.cache.layers) if not self.sample else None
+        self.chain = (self.model.kernel_chain(self.cache.layers)
+                      if not self.sample and self.mask_id is None else None)
         self.graphs = ctx.backend.graphs(self.model, self.cache, ctx.num_slots)
 
-    def _forward(self, reqs, token_lists: list[list[int]], starts: list[int]) -> torch.Tensor:
-        """Feed each request its tokens at `starts`; returns logits of each one's last token."""
+    def _forward(self, reqs, token_lists: list[list[int]], starts: list[int],
+                 last: list[int] | None = None) -> torch.Tensor:
+        """Feed each request its tokens at `starts`; returns the logits of each one's last
+        `last[i]` tokens (default 1), request-major: [sum(last), V]."""
         lens = [len(t) for t in token_lists]
+        last = last or [1] * len(lens)
         if self.graphs is not None and self.graphs.fits(starts, lens):
             logits, _, _ = self.graphs.run([t for ts in token_lists for t in ts], starts, lens,
                                            [r.slot for r in reqs])                # [T, V]
-            return logits if len(logits) == len(reqs) else logits[_last_rows(lens, logits)]
+            return logits if sum(last) == len(logits) else logits[_last_rows(lens, last,
+                                                                             logits)]
         ids, positions, md = ragged_inputs(token_lists, starts, [r.slot for r in reqs],
                                            self.device)
         hidden = self.model(ids, positions, md, self.cache.layers)           # [T, H]
-        return self.model.compute_logits(hidden[_last_rows(lens, hidden)]).float()   # [B, V]
+        return self.model.compute_logits(hidden[_last_rows(lens, last, hidden)]).float()
 
     def _pick(self, logits: torch.Tensor, reqs) -> tuple[list[int], list[torch.Tensor | None]]:
         """Next draft token per row: argmax, or a temperature sample with its probabilities."""
@@ -109,6 +141,8 @@ class DraftModelProposer(ProposerBase):
             st.fed_drafts = None
             starts.append(st.num_computed)
             feeds.append(r.all_token_ids[st.num_computed:])
+        if self.mask_id is not None:
+            return self._propose_parallel(reqs, feeds, starts, budgets)
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
@@ -142,9 +176,35 @@ class DraftModelProposer(ProposerBase):
             out.append(Proposal(drafts[i], p))
         return out
 
+    def _propose_parallel(self, reqs, feeds: list[list[int]], starts: list[int],
+                          budgets: list[int]) -> list[Proposal]:
+        """PARD: one pass over each request's new tokens and budget-1 masks drafts them all."""
+        masked = [f + [self.mask_id] * (n - 1) for f, n in zip(feeds, budgets)]
+        logits = self._forward(reqs, masked, starts, budgets)          # [sum(budgets), V]
+        for r in reqs:
+            self.state[r.request_id].num_computed = r.num_tokens     # the masks' KV is not kept
+        rows = list(itertools.accumulate(budgets, initial=0))
+        drafts: list[list[int]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in reqs]
+        active = list(range(len(reqs)))
+        for j in range(max(budgets)):        # draft j of every request that drafts that far
+            active = [i for i in active if j < budgets[i]]
+            if not active:
+                break
+            step = logits[torch.tensor([rows[i] + j for i in active], device=logits.device)]
+            toks, ps = self._pick(step, [reqs[i] for i in active])
+            sure = self._sure(step, toks) if self.threshold else [True] * len(active)
+            for i, t, p in zip(active, toks, ps):
+                drafts[i].append(t)
+                probs[i].append(p)
+            active = [i for i, ok in zip(active, sure) if ok]
+        return [Proposal(d, torch.stack(p) if self.sample else None)
+                for d, p in zip(drafts, probs)]
+
     def finish(self, request) -> None:
         self.state.pop(request.request_id, None)
 
 
 SPEC = MethodSpec(name="draft_model", build=DraftModelProposer, needs_model=True,
-                  steps_drafts=True, samples_drafts=True, summary="a small LM with the target's vocabulary")
+                  steps_drafts=True, samples_drafts=True, drafts_in_parallel=True,
+                  summary="a small LM with the target's vocabulary")

@@ -151,9 +151,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 md: AttentionMetadata | None,
-                cache: tuple[torch.Tensor, torch.Tensor] | list | None) -> torch.Tensor:
+                cache: tuple[torch.Tensor, torch.Tensor] | list | None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """cache: this layer's KV cache when md is given; in training (md None) optionally the
-        list of earlier unrolled passes' keys and values (see `_unrolled`), appended to."""
+        list of earlier unrolled passes' keys and values (see `_unrolled`), appended to.
+        mask: dense training only, [S, S] bool (True = may attend) instead of causal."""
         lead = x.shape[:-1]                                      # [T] or [B, S]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
@@ -169,10 +171,10 @@ class Attention(nn.Module):
         if md is None:                                           # training
             if cache:
                 o = self._unrolled(q, k, v, cache)
-            else:                                                # dense causal
+            else:                                                # dense: causal or `mask`
                 o = F.scaled_dot_product_attention(
-                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                    is_causal=True, scale=self.scale, enable_gqa=True)   # [B, H, S, D]
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                    is_causal=mask is None, scale=self.scale, enable_gqa=True)  # [B, H, S, D]
             if cache is not None:
                 cache.append((k, v))
             return self.o_proj(o.transpose(1, 2).reshape(*lead, self.q_size))

@@ -117,10 +117,11 @@ class DecoderLayer(nn.Module):
         self.cpu_layer = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                md: AttentionMetadata | None, cache) -> torch.Tensor:
+                md: AttentionMetadata | None, cache, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
         if self.cpu_layer is not None and kernel_step(md, x, self.cpu_layer.lib):
             return self.cpu_layer(x, cos_sin, md, cache)
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, md, cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, md, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -152,11 +153,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata | None = None,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                aux_layers: tuple[int, ...] = ()):
+                aux_layers: tuple[int, ...] = (), mask: torch.Tensor | None = None):
         """input_ids, positions: [num_tokens] with `md` (cached inference) or [batch, seq]
-        without (dense causal training). Returns the final (normed) hidden states
-        [..., hidden_size]; with `aux_layers`, also the inputs of those layers concatenated
-        [..., len(aux_layers) * hidden_size] (what EAGLE-3 heads read)."""
+        without (dense training: causal, or `mask` [seq, seq] bool, True = may attend).
+        Returns the final (normed) hidden states [..., hidden_size]; with `aux_layers`, also
+        the inputs of those layers concatenated [..., len(aux_layers) * hidden_size] (what
+        EAGLE-3 heads read)."""
         if self.cpu_forward is not None and kernel_step(md, input_ids, self.cpu_forward.lib):
             return self.cpu_forward(input_ids, positions, md, kv_caches, aux_layers)
         x = self.embed_tokens(input_ids)
@@ -165,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 saved[i] = x
-            x = layer(x, cos_sin, md, None if kv_caches is None else kv_caches[i])
+            x = layer(x, cos_sin, md, None if kv_caches is None else kv_caches[i], mask)
         if aux_layers:
             return self.norm(x), torch.cat([saved[i] for i in aux_layers], dim=-1)
         return self.norm(x)

@@ -221,9 +221,10 @@ def save_head(method: str, head: nn.Module, out: Path, target_dir: Path,
 
 
 def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prompts: int = 8,
-                 max_tokens: int = 96) -> dict:
-    """Mean acceptance length at K, greedy, on held-out code prompts."""
-    spec = {"method": method, "num_speculative_tokens": k}
+                 max_tokens: int = 96, extra: dict | None = None) -> dict:
+    """Mean acceptance length at K, greedy, on held-out code prompts (`extra`: more
+    speculative_config keys)."""
+    spec = {"method": method, "num_speculative_tokens": k} | (extra or {})
     in_target = methods.get(method).model_is_target      # the head dir is the target (mtp)
     if not in_target:
         spec["model"] = str(head_dir)

@@ -26,6 +26,7 @@ from specserve.data.zoo import head_dir
 from specserve.train.generated import GeneratedData
 from specserve.train.heads import train_heads
 from specserve.train.lm import ModelShape, train_draft, train_lm
+from specserve.train.pard import train_pard
 from specserve.train.trainer import TrainConfig
 from specserve.train.unlikelihood import UnlikelihoodConfig, train_unlikelihood
 
@@ -183,6 +184,26 @@ def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
     return True
 
 
+# The bundled draft adapted to parallel drafting (PARD): (steps, generated text), K = 8, at
+# half the draft's learning rate, starting from models/code-draft.
+PARD_STAGE = (600, GREEDY)
+PARD_K = 8
+
+
+def pard_config(work: Path, steps: int, **kw) -> TrainConfig:
+    return TrainConfig(work_dir=str(work / "code-draft-pard"), steps=steps, batch_size=4,
+                       seq_len=256, lr=1e-3, warmup=20, eval_every=steps, ckpt_every=50, **kw)
+
+
+def build_pard(out: Path, work: Path, **kw) -> float:
+    """`<out>/code-draft-pard` from `<out>/code-draft` for `<out>/code-target`."""
+    steps, gen = PARD_STAGE
+    bpb = train_pard(pard_config(work, steps, **kw), out / "code-draft", out / "code-target",
+                     out / "code-draft-pard", k=PARD_K, gen=gen)
+    print(f"code-draft-pard ({steps} steps): val bits/byte {bpb:.4f}", flush=True)
+    return bpb
+
+
 def _report(results: dict[str, dict], target: Path, stage: str) -> None:
     for m, result in results.items():
         done = f"tau {result['tau']:.2f} at K=4" if "tau" in result else result["skipped"]
@@ -227,7 +248,11 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
     print(f"code-target (unlikelihood, stage 2): val bits/byte {bpb:.4f}", flush=True)
     if bpb != bpb:
         return
-    retarget(out_dir, work_dir, stage1, **kw)
+    if not retarget(out_dir, work_dir, stage1, **kw):
+        return
+    bpb = build_pard(out_dir, work_dir, **kw)
+    if bpb != bpb:
+        return
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "MANIFEST").write_text(manifest(out_dir))
 
@@ -237,6 +262,7 @@ MANIFEST_STAGES = {
     "code-target": "target: pretraining, unlikelihood, unlikelihood stage 2 (TARGET_STAGES, "
                    "TARGET_UL)",
     "code-draft": "draft: DRAFT_STAGES, then retarget (RETARGET_DRAFT)",
+    "code-draft-pard": "parallel draft: code-draft adapted by PARD_STAGE (train pard, K = 8)",
     "code-target-eagle3": "eagle3 head: HEAD_RECIPES, retarget, RETARGET_EAGLE3_MORE",
     "code-target-eagle": "eagle head: HEAD_RECIPES, retarget",
     "code-target-medusa": "medusa head: HEAD_RECIPES, retarget",

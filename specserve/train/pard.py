@@ -1,0 +1,124 @@
+"""`specserve train pard`: adapt a draft model to parallel drafting (PARD, arXiv 2504.18583).
+
+At inference a PARD draft reads the verified context followed by K-1 copies of a mask token
+and predicts a token at every one of those positions. Training shows it exactly that: each
+sequence x[0..L) is followed by K-1 all-mask copies that reuse positions 0..L-1, and copy k's
+row at position j sees the real tokens 0..j-k and one mask of each copy 1..k (copy m at
+position j-k+m), which is what mask k sees at inference when the context ends at j-k. Every
+row predicts x[j+1]. The draft learns from the target: KL to the target's next-token
+distribution at j (one target pass serves all copies), blended with cross-entropy as `train
+draft` does, on the same corpus plus target-generated text.
+
+The mask token is an id the tokenizer never produced on the training text; it is written to
+the draft's config.json as `pard_token` (PARD's key, which vLLM also reads).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from specserve.data.corpus import Corpus
+from specserve.models.llama import LlamaForCausalLM
+from specserve.models.loader import load_model
+from specserve.train.generated import GeneratedData, with_generated
+from specserve.train.heads import evaluate_tau
+from specserve.train.lm import _setup, prepare_data, train_and_export
+from specserve.train.trainer import LossFn, TrainConfig, _positions
+
+SPECIAL_TOKENS = 3          # <|endoftext|>, <|im_start|>, <|im_end|>: never a mask
+
+
+def unused_token(train_ids: np.ndarray, vocab_size: int) -> int:
+    """The lowest non-special id that never occurs in the training tokens."""
+    seen = np.bincount(train_ids, minlength=vocab_size)
+    free = np.nonzero(seen[SPECIAL_TOKENS:] == 0)[0]
+    if not len(free):
+        raise ValueError("every token id occurs in the training text: no id is free for PARD's "
+                         "mask token")
+    return int(free[0]) + SPECIAL_TOKENS
+
+
+def pard_mask(length: int, k: int, device: torch.device | None = None) -> torch.Tensor:
+    """[k * length, k * length] bool, True = may attend, for a sequence of `length` real tokens
+    followed by k-1 mask copies (row c * length + j = copy c at position j)."""
+    j = torch.arange(length, device=device)
+    blocks = [[torch.zeros(length, length, dtype=torch.bool, device=device)] * k
+              for _ in range(k)]
+    for c in range(k):
+        blocks[c][0] = j[None, :] <= (j[:, None] - c)                    # real tokens 0..j-c
+        for m in range(1, c + 1):                                        # copy m at j-c+m
+            blocks[c][m] = j[None, :] == (j[:, None] - c + m)
+    return torch.cat([torch.cat(row, 1) for row in blocks], 0)
+
+
+def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_id: int,
+              kd_alpha: float) -> LossFn:
+    """kd_alpha * KL(target || draft) + (1 - kd_alpha) * CE over the real rows and the k-1 mask
+    copies of a batch [B, L + 1]; copy c's first c rows have no real context and are skipped."""
+    def fn(xy: torch.Tensor):
+        x, y = xy[:, :-1], xy[:, 1:]                                      # [B, L]
+        B, L = x.shape
+        inputs = torch.cat([x, x.new_full((B, (k - 1) * L), mask_id)], 1)   # [B, k * L]
+        positions = _positions(x).repeat(1, k)
+        mask = pard_mask(L, k, x.device)
+        logits = model.compute_logits(model(inputs, positions, mask=mask)).float()
+        logits = logits.view(B, k, L, -1)                                  # [B, k, L, V]
+        valid = torch.arange(L, device=x.device)[None, :] >= torch.arange(k, device=x.device)[:, None]
+        rows = logits[:, valid]                                            # [B, n, V]
+        labels = y[:, None, :].expand(B, k, L)[:, valid]                   # [B, n]
+        ce = F.cross_entropy(rows.flatten(0, 1), labels.flatten())
+        with torch.no_grad():
+            t_logp = F.log_softmax(teacher.compute_logits(teacher(x, _positions(x))).float(), -1)
+        t_rows = t_logp[:, None].expand(B, k, L, -1)[:, valid]             # [B, n, V]
+        kl = F.kl_div(F.log_softmax(rows, -1).flatten(0, 1), t_rows.flatten(0, 1),
+                      log_target=True, reduction="batchmean")
+        per_copy = [F.cross_entropy(logits[:, c, c:].flatten(0, 1), y[:, c:].flatten()).item()
+                    for c in (0, k - 1)]
+        return kd_alpha * kl + (1 - kd_alpha) * ce, {
+            "loss": ce.item(), "kl": kl.item(), "ce_copy0": per_copy[0], "ce_last": per_copy[1]}
+    return fn
+
+
+def train_pard(cfg: TrainConfig, draft_dir: Path, target_dir: Path, out: Path, k: int = 8,
+               corpus: Corpus | None = None, gen: GeneratedData | None = None) -> float:
+    """Adapt the draft in `draft_dir` to draft k tokens per pass; writes a PARD draft to `out`
+    (config.json with `pard_token`) and returns its validation bits per byte (as an ordinary
+    LM; NaN when stopped on the time limit)."""
+    if k < 2:
+        raise ValueError(f"--num-speculative-tokens must be >= 2 for PARD (got {k}): one "
+                         "draft per pass is what the draft already does")
+    device = _setup(cfg)
+    work = Path(cfg.work_dir)
+    teacher = load_model(target_dir, torch.float32, device)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    model = load_model(draft_dir, torch.float32, device)
+    if model.args.vocab_size != teacher.args.vocab_size:
+        raise ValueError(f"--draft {draft_dir}: its vocabulary ({model.args.vocab_size}) is not "
+                         f"the target's ({teacher.args.vocab_size})")
+    corpus = corpus or Corpus.stdlib()
+    train_ids, val_ids, val_bytes = prepare_data(target_dir, work, corpus, 0)
+    mask_id = unused_token(train_ids, model.args.vocab_size)
+    if gen is not None:
+        train_ids = with_generated(train_ids, gen, target_dir, corpus, work, cfg.seed)
+    print(f"pard: {model.num_parameters() / 1e6:.2f}M-parameter draft, K = {k}, mask token "
+          f"{mask_id}", flush=True)
+    bpb = train_and_export(model, train_ids, (val_ids, val_bytes), cfg, device,
+                           pard_loss(model, teacher, k, mask_id, cfg.kd_alpha), target_dir, out)
+    if bpb != bpb:
+        return bpb
+    config = json.loads((out / "config.json").read_text())
+    config |= {"pard_token": mask_id, "spd_type": "pard", "pard_k": k}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    quality = json.loads((out / "quality.json").read_text())
+    quality["tau"] = {n: evaluate_tau(target_dir, out, "draft_model", n,
+                                      extra={"parallel_drafting": True})
+                      for n in sorted({2, 4, k})}
+    (out / "quality.json").write_text(json.dumps(quality, indent=2) + "\n")
+    print(json.dumps({n: round(q["tau"], 3) for n, q in quality["tau"].items()}), flush=True)
+    return bpb

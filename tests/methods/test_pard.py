@@ -1,0 +1,132 @@
+"""Parallel drafting with a draft model (PARD): K drafts from one pass over the new tokens and
+K-1 mask tokens, lossless, the masks' KV never read as context, and its loading errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specserve import LLM, TokensPrompt
+from specserve.models.loader import load_model
+from tests.conftest import DEVICE, make_hf_model
+from tests.test_spec_decode import (
+    N_SAMPLES,
+    TV_BOUND,
+    _exact_pair_distribution,
+    _greedy,
+    _token_hist,
+    repetitive_prompts,
+    small_vocab_pair,  # noqa: F401  (a fixture)
+)
+
+MASK = 93
+
+
+def _with_mask(src, dst, mask: int = MASK):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text()) | {"pard_token": mask}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def pard_dir(draft_dir, tmp_path_factory):
+    return _with_mask(draft_dir, tmp_path_factory.mktemp("pard") / "d")
+
+
+def _spec(path, k: int, **kw) -> dict:
+    return {"model": str(path), "num_speculative_tokens": k, "parallel_drafting": True} | kw
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_greedy_output_is_the_targets_alone_and_in_mixed_batches(llama_dir, pard_dir, k):
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(10, seed=3)]
+    base = LLM(str(llama_dir), device=DEVICE, max_model_len=80, max_num_seqs=4)
+    ref = [o.outputs[0].token_ids for o in base.generate(ps, _greedy(40), use_tqdm=False)]
+    llm = LLM(str(llama_dir), device=DEVICE, max_model_len=80, max_num_seqs=4,
+              max_num_batched_tokens=24, speculative_config=_spec(pard_dir, k))
+    alone = [llm.generate(p, _greedy(40), use_tqdm=False)[0].outputs[0].token_ids
+             for p in ps[:3]]
+    mixed = [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(40), use_tqdm=False)]
+    assert alone == ref[:3] and mixed == ref
+    m = llm.get_stats()
+    assert m["spec_decode_num_draft_tokens"] > m["spec_decode_num_drafts"] > 0
+
+
+def test_one_draft_pass_per_step_and_the_masks_kv_is_never_context(llama_dir, pard_dir):
+    """Every proposal equals the draft model's greedy tokens at the last real position and
+    each mask position of a dense pass over the whole context (no cache): had a step's mask
+    KV been kept as context, later drafts would differ."""
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(pard_dir, 4))
+    proposer = llm.engine.proposer
+    dense = load_model(pard_dir, torch.float32, torch.device(DEVICE))
+    passes, checked = [], [0]
+    forward = proposer._forward
+    proposer._forward = lambda *a, **kw: passes.append(1) or forward(*a, **kw)
+    propose = proposer.propose
+
+    def checked_propose(batch):
+        n = len(passes)
+        out = propose(batch)
+        assert len(passes) == n + (1 if batch.requests else 0)       # one pass for all K
+        for r, p, k in zip(batch.requests, out, batch.max_num_tokens):
+            ids = r.all_token_ids + [MASK] * (k - 1)
+            with torch.inference_mode():
+                x = torch.tensor([ids], device=dense.embed_tokens.weight.device)
+                h = dense(x, torch.arange(len(ids), device=x.device)[None])[0]
+                want = dense.compute_logits(h[-k:]).argmax(-1).tolist()
+            assert p.token_ids == want
+            checked[0] += 1
+        return out
+
+    proposer.propose = checked_propose
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4, seed=6)]
+    llm.generate(ps, _greedy(30), use_tqdm=False)
+    assert checked[0] > 20
+
+
+@pytest.mark.parametrize("rejection, draft_sample", [("strict", "greedy"),
+                                                     ("probabilistic", "probabilistic")])
+def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path,  # noqa: F811
+                                                 rejection, draft_sample):
+    target, draft = small_vocab_pair
+    pard = _with_mask(draft, tmp_path / "pard8", mask=6)
+    llm = LLM(str(target), device=DEVICE, max_num_seqs=64, max_num_batched_tokens=512,
+              speculative_config=_spec(pard, 2, rejection_sample_method=rejection,
+                                       draft_sample_method=draft_sample))
+    exact = _exact_pair_distribution(target)
+    tv = 0.5 * (_token_hist(llm, N_SAMPLES, 200_000) - exact).abs().sum().item()
+    assert llm.get_stats()["acceptance_rate"] < 0.95
+    assert tv < TV_BOUND, f"total variation {tv:.3f} from the target's exact distribution"
+
+
+def test_a_draft_without_a_mask_token_and_other_methods_are_refused(llama_dir, draft_dir):
+    with pytest.raises(ValueError, match="needs a draft trained for it.*pard_token"):
+        LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(draft_dir, 4))
+    for spec in ({"method": "ngram", "num_speculative_tokens": 3},
+                 {"method": "suffix", "num_speculative_tokens": 3}):
+        with pytest.raises(ValueError, match="parallel_drafting applies to draft_model, not"):
+            LLM(str(llama_dir), device=DEVICE, speculative_config=spec | {
+                "parallel_drafting": True})
+
+
+def test_the_training_layout_is_what_inference_sees(tmp_path):
+    """Row (copy c, position j) of the PARD training pass equals the last row of a causal pass
+    over x[0..j-c] followed by c masks: the layout teaches what inference asks."""
+    from specserve.train.pard import pard_mask
+    make_hf_model("llama", tmp_path / "m", seed=7)
+    model = load_model(tmp_path / "m", torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    L, K = 12, 4
+    x = torch.randint(0, 90, (L,), generator=g)
+    inputs = torch.cat([x, torch.full(((K - 1) * L,), MASK)])[None]
+    with torch.no_grad():
+        rows = model(inputs, torch.arange(L).repeat(K)[None], mask=pard_mask(L, K))[0]
+        for c in range(K):
+            for j in range(c, L):
+                ids = torch.cat([x[:j - c + 1], torch.full((c,), MASK)])[None]
+                want = model(ids, torch.arange(ids.shape[1])[None])[0, -1]
+                torch.testing.assert_close(rows[c * L + j], want, atol=1e-5, rtol=1e-5)
