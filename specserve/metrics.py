@@ -35,6 +35,8 @@ class SpecDecodingStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # draft trees: how often each node of the configured tree was on the accepted path
     num_accepted_tokens_per_node: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0                # wall time of the proposer in drafting steps
+    num_drafting_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.num_accepted_tokens_per_pos:
@@ -50,6 +52,11 @@ class SpecDecodingStats:
         per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
         for pos in range(num_accepted):
             per_pos[pos] += 1
+
+    def observe_drafting(self, seconds: float) -> None:
+        """One engine step's proposer call that drafted for at least one request."""
+        self.draft_seconds += seconds
+        self.num_drafting_steps += 1
 
     def observe_tree_path(self, path: list[int]) -> None:
         """The accepted nodes (indices into the draft tree) of one verified draft tree."""
@@ -78,6 +85,8 @@ class SpecDecodingStats:
             "spec_decode_num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_rate": self.acceptance_rate,
+            "draft_ms_per_step": (1e3 * self.draft_seconds / self.num_drafting_steps
+                                  if self.num_drafting_steps else 0.0),
         } | ({"spec_decode_num_accepted_tokens_per_node": list(self.num_accepted_tokens_per_node)}
              if self.num_accepted_tokens_per_node else {})
 

@@ -27,3 +27,11 @@ def test_more_drafts_than_k_extend_the_positions_and_trees_count_nodes():
     s.observe_tree_path([0])
     assert s.num_accepted_tokens_per_node == [2, 0, 1]
     assert SpecDecodingStats(2).mean_acceptance_length == 1.0
+
+
+def test_drafting_time_is_the_mean_over_drafting_steps():
+    s = SpecDecodingStats(2)
+    assert s.as_dict()["draft_ms_per_step"] == 0.0
+    s.observe_drafting(0.004)
+    s.observe_drafting(0.002)
+    assert abs(s.as_dict()["draft_ms_per_step"] - 3.0) < 1e-9

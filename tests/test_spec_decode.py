@@ -111,6 +111,7 @@ def test_spec_metrics_are_consistent(llama_dir, draft_dir):
         1 + m["spec_decode_num_accepted_tokens"] / m["spec_decode_num_drafts"])
     per_pos = m["spec_decode_num_accepted_tokens_per_pos"]
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    assert m["draft_ms_per_step"] > 0                  # the proposer was timed
 
 
 @pytest.fixture(scope="module")

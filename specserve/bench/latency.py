@@ -61,7 +61,8 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
     for r in runners:
         acc = r.acceptance()
         if acc:
-            results[r.name].tau, results[r.name].acceptance_rate, results[r.name].per_pos = acc
+            res = results[r.name]
+            res.tau, res.acceptance_rate, res.per_pos, res.draft_ms = acc
         results[r.name].note = r.note()
     return [res for res in results.values() if res.tokens_per_s]
 

@@ -23,6 +23,7 @@ class Result:
     acceptance_rate: float | None = None
     per_pos: list[float] | None = None
     same_output: str | None = None      # prompts whose greedy tokens equal no-spec's, "7/8"
+    draft_ms: float | None = None       # the proposer's time per drafting step
     note: str | None = None             # what the runner reports beside its name (`note()`)
 
     @property
@@ -71,13 +72,14 @@ class SpecserveRunner:
         self.tpots.clear()
         self.llm.engine.reset_proposer()
 
-    def acceptance(self) -> tuple[float, float, list[float]] | None:
+    def acceptance(self) -> tuple[float, float, list[float], float] | None:
         if self.spec is None:
             return None
         m = self.llm.get_stats()
         d = max(1, m["spec_decode_num_drafts"])
         return (m["mean_acceptance_length"], m["acceptance_rate"],
-                [a / d for a in m["spec_decode_num_accepted_tokens_per_pos"]])
+                [a / d for a in m["spec_decode_num_accepted_tokens_per_pos"]],
+                m["draft_ms_per_step"])
 
     def note(self) -> str | None:
         """adaptive_k: the mean K over the steps it chose; hybrid_prompt_lookup: the share of

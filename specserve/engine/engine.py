@@ -367,8 +367,11 @@ class LLMEngine:
                 reqs.append(r)
                 budgets.append(room)
         try:
+            t = time.perf_counter()
             proposals = self.proposer.propose(
                 ProposeBatch(reqs, budgets, [b.request for b in batch], out))
+            if reqs:
+                self.spec_stats.observe_drafting(time.perf_counter() - t)
         except Exception as e:
             # A batched proposer call cannot be pinned on one request, and its per-request
             # state (KV, hidden-state rows) is now unknown: the step's requests fail, the
