@@ -23,7 +23,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = device
-        self.graphs = graphs                      # uniform steps replayed on CUDA
+        self.graphs = graphs                      # few-row steps replayed on CUDA
         self.aux_layers: tuple[int, ...] = ()     # set by the engine for EAGLE-3 proposers
 
     @torch.inference_mode()

@@ -13,6 +13,7 @@ from specserve.kernels.cpu import cpu_features, max_rows
 from specserve.kv_cache import KVCache
 from specserve.models.cuda_graphs import CudaGraphs
 from specserve.models.layers import DecodeLinear, use_decode_linears
+from specserve.models.llama import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class Backend:
     device: torch.device
     dtype: torch.dtype
     cpu_kernel: bool            # run few-row CPU steps in the compiled kernel where it builds
-    cuda_graphs: bool = False   # replay uniform few-row CUDA steps from captured graphs
+    cuda_graphs: bool = False   # replay few-row CUDA steps of target and draft from graphs
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """`model` (any device and dtype) moved to this backend's and set up for inference on
@@ -29,14 +30,15 @@ class Backend:
         return use_decode_linears(model, self.cpu_kernel)
 
     def graphs(self, model: nn.Module, cache: KVCache, max_batch: int) -> CudaGraphs | None:
-        """CUDA graphs of `model`'s uniform cached steps over `cache`, or None (eager)."""
+        """CUDA graphs of `model`'s few-row cached steps over `cache`, or None (eager)."""
         return CudaGraphs(model, cache, max_batch) if self.cuda_graphs else None
 
     def describe(self, model: nn.Module) -> str:
         """Which path a prepared model's steps take (the engine logs it)."""
         w = next(model.parameters())
         if w.device.type != "cpu":
-            return f"{w.device.type} ({'CUDA graphs' if self.cuda_graphs else 'eager'})"
+            graphed = self.cuda_graphs and isinstance(model, LlamaForCausalLM)   # heads: eager
+            return f"{w.device.type} ({'CUDA graphs' if graphed else 'eager'})"
         linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
         lib = next((m.lib for m in linears if m.lib is not None), None)
         if lib is not None:
