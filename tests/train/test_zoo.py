@@ -37,6 +37,20 @@ def test_bundled_heads_speculate_losslessly(method):
     assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 0
 
 
+def test_the_bundled_parallel_draft_speculates_losslessly():
+    """models/code-draft-pard drafts K=8 in one pass for the bundled target, greedy output kept."""
+    target, pard = REPO / "models" / "code-target", REPO / "models" / "code-draft-pard"
+    assert (pard / "config.json").is_file(), "the bundled PARD draft is missing"
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = "def fibonacci(n):\n    "
+    ref = LLM(str(target), device=DEVICE).generate(prompt, sp, use_tqdm=False)
+    llm = LLM(str(target), device=DEVICE, speculative_config={
+        "model": str(pard), "num_speculative_tokens": 8, "parallel_drafting": True})
+    got = llm.generate(prompt, sp, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 0
+
+
 def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsys):
     """`zoo build` rerun after a head stage was passed: the passed stage reports 'skipped' and the
     build goes on to the next stage and the next head group (the training calls are stubbed)."""
@@ -44,6 +58,9 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(zoo, "train_lm", lambda *a, **k: 1.0)
     monkeypatch.setattr(zoo, "train_unlikelihood", lambda *a, **k: 1.0)
     monkeypatch.setattr(zoo, "train_draft", lambda *a, **k: 1.0)
+    pard = []
+    monkeypatch.setattr(zoo, "train_pard", lambda cfg, draft, target, out, **k: pard.append(
+        (draft.name, target.name, out.name, k["k"])) or 1.0)
     calls, refreshed = [], []
 
     def heads(outs, cfg, *a, **k):
@@ -61,6 +78,7 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
         (s.refresh_vocab, s.lr, s.seed, s.top1_weight) for s in zoo.RETARGET_EAGLE3_MORE]
     out = capsys.readouterr().out
     assert "past" in out and "tau 2.00 at K=4" in out
+    assert pard == [("code-draft", "code-target", "code-draft-pard", zoo.PARD_K)]
 
 
 def test_the_manifest_lists_every_bundled_file_as_it_is():
