@@ -184,6 +184,14 @@ class DraftModelProposer(ProposerBase):
         for r in reqs:
             self.state[r.request_id].num_computed = r.num_tokens     # the masks' KV is not kept
         rows = list(itertools.accumulate(budgets, initial=0))
+        if not self.sample:                  # every row's argmax (and confidence) at once
+            toks = greedy_ids(logits)
+            sure = self._sure(logits, toks) if self.threshold else [True] * len(toks)
+            out = []
+            for lo, hi in zip(rows, rows[1:]):   # up to and including the first unsure draft
+                n = next((j + 1 for j, ok in enumerate(sure[lo:hi]) if not ok), hi - lo)
+                out.append(Proposal(toks[lo:lo + n]))
+            return out
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor | None]] = [[] for _ in reqs]
         active = list(range(len(reqs)))

@@ -130,3 +130,18 @@ def test_the_training_layout_is_what_inference_sees(tmp_path):
                 ids = torch.cat([x[:j - c + 1], torch.full((c,), MASK)])[None]
                 want = model(ids, torch.arange(ids.shape[1])[None])[0, -1]
                 torch.testing.assert_close(rows[c * L + j], want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_confidence_threshold_cuts_the_parallel_drafts(llama_dir, pard_dir):
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4, seed=4)]
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device=DEVICE).generate(
+        ps, _greedy(30), use_tqdm=False)]
+    stats = []
+    for threshold in (0.0, 0.3):
+        llm = LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(
+            pard_dir, 4, draft_confidence_threshold=threshold))
+        got = [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(30), use_tqdm=False)]
+        assert got == ref
+        m = llm.get_stats()
+        stats.append(m["spec_decode_num_draft_tokens"] / m["spec_decode_num_drafts"])
+    assert stats[1] < stats[0]              # some drafts stopped at an unsure token
