@@ -184,9 +184,9 @@ def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
     return True
 
 
-# The bundled draft adapted to parallel drafting (PARD): (steps, generated text), K = 8, at
-# half the draft's learning rate, starting from models/code-draft.
-PARD_STAGE = (600, GREEDY)
+# The bundled draft adapted to parallel drafting (PARD): stages of (schedule length, generated
+# text) as DRAFT_STAGES, K = 8, at half the draft's learning rate, from models/code-draft.
+PARD_STAGES: list[tuple[int, GeneratedData]] = [(600, GREEDY), (1800, GREEDY)]
 PARD_K = 8
 
 
@@ -197,10 +197,12 @@ def pard_config(work: Path, steps: int, **kw) -> TrainConfig:
 
 def build_pard(out: Path, work: Path, **kw) -> float:
     """`<out>/code-draft-pard` from `<out>/code-draft` for `<out>/code-target`."""
-    steps, gen = PARD_STAGE
-    bpb = train_pard(pard_config(work, steps, **kw), out / "code-draft", out / "code-target",
-                     out / "code-draft-pard", k=PARD_K, gen=gen)
-    print(f"code-draft-pard ({steps} steps): val bits/byte {bpb:.4f}", flush=True)
+    for steps, gen in PARD_STAGES:
+        bpb = train_pard(pard_config(work, steps, **kw), out / "code-draft",
+                         out / "code-target", out / "code-draft-pard", k=PARD_K, gen=gen)
+        print(f"code-draft-pard ({steps} steps): val bits/byte {bpb:.4f}", flush=True)
+        if bpb != bpb:
+            break
     return bpb
 
 
@@ -262,7 +264,7 @@ MANIFEST_STAGES = {
     "code-target": "target: pretraining, unlikelihood, unlikelihood stage 2 (TARGET_STAGES, "
                    "TARGET_UL)",
     "code-draft": "draft: DRAFT_STAGES, then retarget (RETARGET_DRAFT)",
-    "code-draft-pard": "parallel draft: code-draft adapted by PARD_STAGE (train pard, K = 8)",
+    "code-draft-pard": "parallel draft: code-draft adapted by PARD_STAGES (train pard, K = 8)",
     "code-target-eagle3": "eagle3 head: HEAD_RECIPES, retarget, RETARGET_EAGLE3_MORE",
     "code-target-eagle": "eagle head: HEAD_RECIPES, retarget",
     "code-target-medusa": "medusa head: HEAD_RECIPES, retarget",
