@@ -25,6 +25,8 @@ from specserve.config import SpeculativeConfig
 from specserve.kernels.cpu import max_rows
 from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 from specserve.models.loader import load_hf_config, load_model
+from specserve.models.metadata import ragged_inputs
+from specserve.sampling.sampler import greedy_ids, sample_from
 
 # where a parallel drafter's config.json names its mask token, in vLLM's order of lookup
 MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
@@ -39,8 +41,6 @@ def mask_token_id(draft_cfg: dict, path: str) -> int:
                      f"config.json names no mask token ({', '.join(MASK_TOKEN_KEYS)}); train "
                      "one from this draft with `specserve train pard --draft DIR --target DIR "
                      "--out DIR`, or leave parallel_drafting off")
-from specserve.models.metadata import ragged_inputs
-from specserve.sampling.sampler import greedy_ids, sample_from
 
 
 @dataclass
@@ -193,7 +193,7 @@ class DraftModelProposer(ProposerBase):
                 out.append(Proposal(toks[lo:lo + n]))
             return out
         drafts: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor | None]] = [[] for _ in reqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
         for j in range(max(budgets)):        # draft j of every request that drafts that far
             active = [i for i in active if j < budgets[i]]
@@ -206,8 +206,7 @@ class DraftModelProposer(ProposerBase):
                 drafts[i].append(t)
                 probs[i].append(p)
             active = [i for i, ok in zip(active, sure) if ok]
-        return [Proposal(d, torch.stack(p) if self.sample else None)
-                for d, p in zip(drafts, probs)]
+        return [Proposal(d, torch.stack(p)) for d, p in zip(drafts, probs)]
 
     def finish(self, request) -> None:
         self.state.pop(request.request_id, None)

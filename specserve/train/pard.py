@@ -68,7 +68,8 @@ def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_i
         mask = pard_mask(L, k, x.device)
         logits = model.compute_logits(model(inputs, positions, mask=mask)).float()
         logits = logits.view(B, k, L, -1)                                  # [B, k, L, V]
-        valid = torch.arange(L, device=x.device)[None, :] >= torch.arange(k, device=x.device)[:, None]
+        j, c = torch.arange(L, device=x.device), torch.arange(k, device=x.device)
+        valid = j[None, :] >= c[:, None]                                   # [k, L]
         rows = logits[:, valid]                                            # [B, n, V]
         labels = y[:, None, :].expand(B, k, L)[:, valid]                   # [B, n]
         ce = F.cross_entropy(rows.flatten(0, 1), labels.flatten())
