@@ -159,6 +159,17 @@ def test_table_shows_decode_speedup_from_tpot():
     assert rows["peer"][3:5] == ["", ""]
 
 
+def test_efficiency_is_the_decode_speedup_over_tau():
+    """tau is what free drafting with verify steps as cheap as decode steps would give."""
+    from specserve.bench.report import latency_table
+    suite = _suite()
+    suite[1]["tau"] = 4.0
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")
+            for line in latency_table(suite).splitlines()[2:]}
+    assert rows["specserve fast"][4:7] == ["2.00x", "4.00", "50%"]
+    assert rows["specserve no-spec"][6] == ""
+
+
 def _latency_run() -> dict:
     from specserve.bench.probes import machine
     suite = _suite()

@@ -16,7 +16,7 @@ import time
 import torch
 
 from specserve.bench import report
-from specserve.bench.methods import add_common_args, configs
+from specserve.bench.methods import add_common_args, configs, resolve_models
 from specserve.bench.probes import (
     decode_ms_per_token,
     machine,
@@ -96,6 +96,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--title", default="Offline latency: specserve methods and transformers")
     report.add_output_args(p)
     a = p.parse_args(argv)
+    resolve_models(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     K = a.num_speculative_tokens

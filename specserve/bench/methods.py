@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from specserve import methods
+from specserve.bench import random_models
 from specserve.data.zoo import head_dir
 
 
@@ -29,8 +30,14 @@ def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="models/code-target")
-    p.add_argument("--draft", default="models/code-draft")
+    p.add_argument("--target", default="models/code-target",
+                   help="a model directory, or random weights of a real shape: "
+                        f"random:{'|'.join(random_models.SHAPES)} or "
+                        "random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D] (built once "
+                        "under runs/random/ with the bundled tokenizer; pair it with "
+                        "--spec-extra '{\"rejection_sample_method\": \"synthetic\", "
+                        "\"synthetic_acceptance_rate\": 0.8}')")
+    p.add_argument("--draft", default="models/code-draft", help="as --target")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--methods", default="available",
                    help="comma-separated, from " + ", ".join(methods.REGISTRY)
@@ -78,6 +85,12 @@ def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:
         pass
     raise SystemExit(f"{name!r}: unknown suffix {'+' + suffix!r}; use +tree (with --token-tree), "
                      "+parallel, +k=N, +conf=P or +lookup=N")
+
+
+def resolve_models(a: argparse.Namespace, tokenizer_dir: str = "models/code-target") -> None:
+    """--target and --draft as model directories (random:... built on first use)."""
+    a.target = random_models.resolve(a.target, tokenizer_dir)
+    a.draft = random_models.resolve(a.draft, tokenizer_dir)
 
 
 def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:

@@ -71,21 +71,23 @@ def latency_table(results: list[dict]) -> str:
     """One suite: a row per configuration with its speedups over no-spec."""
     ref = next(r for r in results if r["name"] == BASE)
     rows = ["| configuration | tokens/s (median) | speedup vs no-spec | TPOT ms (median) "
-            "| decode speedup | tau | acceptance rate | per-position acceptance "
+            "| decode speedup | tau | efficiency | acceptance rate | per-position acceptance "
             "| drafting ms/step | greedy output = no-spec |",
-            "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
     for r in results:
         name = r["name"] if r["note"] is None else f"{r['name']}, {r['note']}"
         tpot, tau, rate = r["median_tpot_ms"], r["tau"], r["acceptance_rate"]
-        decode = (f"{ref['median_tpot_ms'] / tpot:.2f}x" if tpot and ref["median_tpot_ms"]
-                  else "")
+        speedup = ref["median_tpot_ms"] / tpot if tpot and ref["median_tpot_ms"] else None
+        decode = "" if speedup is None else f"{speedup:.2f}x"
+        # tau is the speedup of free drafting with verify steps as cheap as decode steps
+        efficiency = "" if speedup is None or tau is None else f"{speedup / tau:.0%}"
         pp = "" if r["per_pos"] is None else ", ".join(f"{x:.2f}" for x in r["per_pos"])
         draft = "" if r.get("draft_ms") is None else f"{r['draft_ms']:.2f}"
         rows.append(
             f"| {name} | {r['median_tokens_per_s']:.1f} | "
             f"{r['median_tokens_per_s'] / ref['median_tokens_per_s']:.2f}x | "
             f"{'' if tpot is None else f'{tpot:.2f}'} | {decode} | "
-            f"{'' if tau is None else f'{tau:.2f}'} | "
+            f"{'' if tau is None else f'{tau:.2f}'} | {efficiency} | "
             f"{'' if rate is None else f'{rate:.1%}'} | {pp} | {draft} | "
             f"{r['same_output'] or ''} |")
     return "\n".join(rows)

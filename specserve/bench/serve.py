@@ -25,7 +25,7 @@ import httpx
 import torch
 
 from specserve.bench import report
-from specserve.bench.methods import add_common_args, configs
+from specserve.bench.methods import add_common_args, configs, resolve_models
 from specserve.bench.probes import machine
 from specserve.data.prompts import PROMPT_SETS
 from specserve.llm import LLM
@@ -156,6 +156,7 @@ def main(argv: list[str]) -> None:
                         "all CPUs but one, which the load generator on this machine needs)")
     report.add_output_args(p)
     a = p.parse_args(argv)
+    resolve_models(a)
     torch.set_num_threads(a.threads)
     specs: dict[str, tuple[str, dict | None]] = {"no-spec": (a.target, None)} | configs(a)
     prompts = PROMPT_SETS[a.prompt_set](16)

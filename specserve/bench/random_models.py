@@ -1,0 +1,103 @@
+"""Random-weight models of real shapes, for benchmarks of the regime speculation is for.
+
+A step of a 0.5B-8B model reads more weight bytes than any cache holds, so a verify step of a
+few rows costs about what a one-row step does. `--target random:llama-3.2-1b` (or
+`random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D]`) builds such a model once under
+runs/random/ with the bundled tokenizer's vocabulary, in the Llama format the engine loads;
+its text is noise, so benchmarks pair it with `rejection_sample_method: synthetic`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specserve.models.llama import LlamaArgs
+
+PREFIX = "random:"
+# the public models' shapes (their vocabularies become the bundled tokenizer's)
+SHAPES: dict[str, dict[str, int]] = {
+    "llama-3.2-1b": dict(hidden=2048, layers=16, inter=8192, heads=32, kv=8),
+    "qwen3-0.6b": dict(hidden=1024, layers=28, inter=3072, heads=16, kv=8, head_dim=128),
+    "qwen2.5-1.5b": dict(hidden=1536, layers=28, inter=8960, heads=12, kv=2),
+}
+KEYS = ("hidden", "layers", "inter", "heads", "kv", "head_dim")
+
+
+def parse(spec: str) -> dict[str, int]:
+    """`random:NAME` or `random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D]` -> shape."""
+    body = spec.removeprefix(PREFIX)
+    if body in SHAPES:
+        return dict(SHAPES[body])
+    try:
+        shape = {k: int(v) for k, v in (item.split("=", 1) for item in body.split(","))}
+    except ValueError:
+        shape = {}
+    missing = [k for k in KEYS[:5] if k not in shape]
+    if missing or set(shape) - set(KEYS) or min(shape.values(), default=0) < 1:
+        raise SystemExit(f"{spec!r}: give random:NAME ({', '.join(SHAPES)}) or "
+                         "random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D] with "
+                         "positive integers")
+    if shape["heads"] % shape["kv"] or ("head_dim" not in shape and shape["hidden"]
+                                         % shape["heads"]):
+        raise SystemExit(f"{spec!r}: heads must be a multiple of kv, and hidden of heads "
+                         "(or give head_dim)")
+    return shape
+
+
+def materialize(spec: str, tokenizer_dir: str | Path, root: str | Path = "runs/random",
+                seed: int = 0) -> str:
+    """The model directory of `spec` (built on first use): config.json, the tokenizer of
+    `tokenizer_dir`, and weights drawn from N(0, 0.02^2), stored in bfloat16."""
+    shape = parse(spec)
+    tok = Path(tokenizer_dir)
+    vocab = json.loads((tok / "config.json").read_text())["vocab_size"]
+    name = spec.removeprefix(PREFIX).replace("=", "").replace(",", "-")
+    out = Path(root) / f"{name}-v{vocab}-s{seed}"
+    if (out / "model.safetensors").is_file():
+        return str(out)
+    args = LlamaArgs(architecture="LlamaForCausalLM", vocab_size=vocab,
+                     hidden_size=shape["hidden"], intermediate_size=shape["inter"],
+                     num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                     num_key_value_heads=shape["kv"],
+                     head_dim=shape.get("head_dim", shape["hidden"] // shape["heads"]),
+                     max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=500000.0,
+                     rope_scaling=None, tie_word_embeddings=False, attention_bias=False,
+                     qk_norm=False, sliding_window=None)
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    H, D, L = args.hidden_size, args.head_dim, args.num_hidden_layers
+    q, kv, inter = args.num_attention_heads * D, args.num_key_value_heads * D, args.intermediate_size
+
+    def rand(*size: int) -> torch.Tensor:
+        return (torch.randn(size, generator=g) * 0.02).to(torch.bfloat16)
+
+    tensors = {"model.embed_tokens.weight": rand(vocab, H), "lm_head.weight": rand(vocab, H),
+               "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        tensors |= {p + "self_attn.q_proj.weight": rand(q, H),
+                    p + "self_attn.k_proj.weight": rand(kv, H),
+                    p + "self_attn.v_proj.weight": rand(kv, H),
+                    p + "self_attn.o_proj.weight": rand(H, q),
+                    p + "mlp.gate_proj.weight": rand(inter, H),
+                    p + "mlp.up_proj.weight": rand(inter, H),
+                    p + "mlp.down_proj.weight": rand(H, inter),
+                    p + "input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+                    p + "post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16)}
+    for f in tok.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "generation_config.json":
+            shutil.copy(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(args.to_hf_config(), indent=2) + "\n")
+    save_file(tensors, str(out / "model.safetensors.partial"))
+    (out / "model.safetensors.partial").rename(out / "model.safetensors")   # whole or absent
+    return str(out)
+
+
+def resolve(path: str, tokenizer_dir: str | Path) -> str:
+    """A model directory for `path`: itself, or the built random model for `random:...`."""
+    return materialize(path, tokenizer_dir) if path.startswith(PREFIX) else path
