@@ -96,7 +96,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--title", default="Offline latency: specserve methods and transformers")
     report.add_output_args(p)
     a = p.parse_args(argv)
-    resolve_models(a)
+    target, draft = resolve_models(a)
     if a.threads:
         torch.set_num_threads(a.threads)
     K = a.num_speculative_tokens
@@ -154,7 +154,7 @@ def main(argv: list[str]) -> None:
     bw = max(bw, memory_bandwidth_gbs(dev))
     data = {"benchmark": "latency", "title": a.title,
             "command": "specserve bench " + " ".join(argv), "machine": machine(device=dev),
-            "settings": {"target": a.target, "draft": a.draft, "dtypes": dtypes, "device": dev,
+            "settings": {"target": target, "draft": draft, "dtypes": dtypes, "device": dev,
                          "temperature": a.temperature, "num_prompts": a.num_prompts,
                          "max_tokens": a.max_tokens, "rounds": a.rounds,
                          "speculative_config_extra": a.spec_extra,

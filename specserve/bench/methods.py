@@ -87,10 +87,14 @@ def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:
                      "+parallel, +k=N, +conf=P or +lookup=N")
 
 
-def resolve_models(a: argparse.Namespace, tokenizer_dir: str = "models/code-target") -> None:
-    """--target and --draft as model directories (random:... built on first use)."""
+def resolve_models(a: argparse.Namespace, tokenizer_dir: str = "models/code-target"
+                   ) -> tuple[str, str]:
+    """--target and --draft made model directories (random:... built on first use); returns
+    them as given, which a run records."""
+    given = a.target, a.draft
     a.target = random_models.resolve(a.target, tokenizer_dir)
     a.draft = random_models.resolve(a.draft, tokenizer_dir)
+    return given
 
 
 def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:

@@ -156,7 +156,7 @@ def main(argv: list[str]) -> None:
                         "all CPUs but one, which the load generator on this machine needs)")
     report.add_output_args(p)
     a = p.parse_args(argv)
-    resolve_models(a)
+    target, draft = resolve_models(a)
     torch.set_num_threads(a.threads)
     specs: dict[str, tuple[str, dict | None]] = {"no-spec": (a.target, None)} | configs(a)
     prompts = PROMPT_SETS[a.prompt_set](16)
@@ -195,7 +195,7 @@ def main(argv: list[str]) -> None:
         print(json.dumps(row), flush=True)
     data = {"benchmark": "serve", "title": "Serving load: `specserve serve` over HTTP",
             "command": "specserve bench " + " ".join(argv), "machine": machine(a.threads, a.device),
-            "settings": {"target": a.target, "draft": a.draft, "dtype": a.dtype, "device": a.device,
+            "settings": {"target": target, "draft": draft, "dtype": a.dtype, "device": a.device,
                          "k": a.num_speculative_tokens, "prompt_set": a.prompt_set,
                          "max_tokens": a.max_tokens, "requests_per_client": a.requests_per_client,
                          "rounds": a.rounds, "threads": a.threads,
