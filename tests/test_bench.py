@@ -220,7 +220,7 @@ def test_gpu_and_random_target_runs_publish_beside_the_cpu_run(tmp_path, monkeyp
         report.publish_run(data)
     assert sorted(p.stem for p in (tmp_path / "latest").glob("*.json")) == [
         "latency", "latency-cuda", "latency-hidden-64-layers-2-inter-128-heads-4-kv-2",
-        "latency-llama-3.2-1b"]
+        "latency-llama-3-2-1b"]
     assert len((tmp_path / "HISTORY.md").read_text().splitlines()) == 4
 
 

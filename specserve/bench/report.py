@@ -45,7 +45,7 @@ def publish_run(data: dict) -> str:
     device = torch.device(s.get("device", "cpu")).type
     name = data["benchmark"] + ("" if device == "cpu" else f"-{device}")
     if s.get("target", "").startswith("random:"):
-        name += "-" + re.sub(r"[^A-Za-z0-9.]+", "-", s["target"].removeprefix("random:"))
+        name += "-" + re.sub(r"[^A-Za-z0-9]+", "-", s["target"].removeprefix("random:"))
     path = _write(data, LATEST, name)["json"]
     with HISTORY.open("a") as f:
         f.write(history_line(data) + "\n")
