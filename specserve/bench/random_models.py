@@ -65,7 +65,7 @@ def materialize(spec: str, tokenizer_dir: str | Path, root: str | Path = "runs/r
                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
                      num_key_value_heads=shape["kv"],
                      head_dim=shape.get("head_dim", shape["hidden"] // shape["heads"]),
-                     max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=500000.0,
+                     max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=500000.0,
                      rope_scaling=None, tie_word_embeddings=False, attention_bias=False,
                      qk_norm=False, sliding_window=None)
     out.mkdir(parents=True, exist_ok=True)
