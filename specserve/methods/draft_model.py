@@ -134,7 +134,10 @@ class DraftModelProposer(ProposerBase):
             if st.fed_drafts:                   # keep KV of drafts the target accepted
                 n = st.num_computed
                 ok = 0
-                while (ok < len(st.fed_drafts) and n + ok < r.num_tokens
+                # The last token is always fed again: its logits draft the next token. (A
+                # token equal to a fed draft can also follow a rejection: synthetic
+                # verification rejects without looking at the tokens.)
+                while (ok < len(st.fed_drafts) and n + ok < r.num_tokens - 1
                        and r.all_token_ids[n + ok] == st.fed_drafts[ok]):
                     ok += 1
                 st.num_computed = n + ok

@@ -11,7 +11,7 @@ from specserve.methods.base import DraftContext
 from specserve.methods.draft_model import DraftModelProposer
 from specserve.models.backend import Backend
 from specserve.models.loader import load_model
-from tests.conftest import make_hf_model
+from tests.conftest import DEVICE, make_hf_model
 
 CPU = torch.device("cpu")
 
@@ -43,3 +43,17 @@ def test_a_draft_with_another_vocabulary_is_refused(llama_dir, tmp_path):
                                num_speculative_tokens=3)
     with pytest.raises(ValueError, match="has vocab_size 80 but the target has 96"):
         DraftModelProposer(config, _ctx(llama_dir))
+
+
+def test_synthetic_rejections_of_tokens_equal_to_the_draft_never_starve_it(llama_dir):
+    """The target as its own draft under synthetic verification: a rejected draft is followed by
+    the target's token, which equals it; the draft must still be fed the last token."""
+    from specserve import LLM, SamplingParams, TokensPrompt
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config={
+        "model": str(llama_dir), "num_speculative_tokens": 4,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.5})
+    outs = llm.generate([TokensPrompt(prompt_token_ids=[5 + i, 9, 13]) for i in range(4)],
+                        [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, seed=i)
+                         for i in range(4)], use_tqdm=False)
+    assert all(o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 40
+               for o in outs)
