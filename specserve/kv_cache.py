@@ -19,7 +19,7 @@ class KVCache:
         # CUDA graph's batch write their KV
         self.scratch = num_slots if scratch_slot else None
         shape = (num_slots + scratch_slot, num_kv_heads, max_len, head_dim)
-        # per layer: (keys, values), each [num_slots, num_kv_heads, max_len, head_dim]
+        # per layer: (keys, values), each [num_slots (+ scratch), num_kv_heads, max_len, head_dim]
         self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
                         torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
         self.num_slots = num_slots

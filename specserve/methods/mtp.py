@@ -64,7 +64,10 @@ class MTPStack(StatefulHead):
     def __init__(self, layers: list[MTPLayer]) -> None:
         super().__init__(layers[0].args, layers[0].embed_tokens, None)
         self.layers = nn.ModuleList(layers)
-        self.num_step_layers = len(layers)
+
+    @property
+    def num_step_layers(self) -> int:
+        return len(self.layers)
 
     def step_head(self, step: int) -> MTPLayer:
         return self.layers[step % len(self.layers)]

@@ -60,28 +60,36 @@ def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_i
               kd_alpha: float) -> LossFn:
     """kd_alpha * KL(target || draft) + (1 - kd_alpha) * CE over the real rows and the k-1 mask
     copies of a batch [B, L + 1]; copy c's first c rows have no real context and are skipped."""
+    layouts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}   # per length
+
+    def layout(L: int, device: torch.device):
+        """The attention mask, which rows count ([k, L] bool) and the copy of each counted row."""
+        if L not in layouts:
+            j, c = torch.arange(L, device=device), torch.arange(k, device=device)
+            valid = j[None, :] >= c[:, None]
+            layouts[L] = pard_mask(L, k, device), valid, c[:, None].expand(k, L)[valid]
+        return layouts[L]
+
     def fn(xy: torch.Tensor):
         x, y = xy[:, :-1], xy[:, 1:]                                      # [B, L]
         B, L = x.shape
+        mask, valid, copy = layout(L, x.device)
         inputs = torch.cat([x, x.new_full((B, (k - 1) * L), mask_id)], 1)   # [B, k * L]
         positions = _positions(x).repeat(1, k)
-        mask = pard_mask(L, k, x.device)
         logits = model.compute_logits(model(inputs, positions, mask=mask)).float()
-        logits = logits.view(B, k, L, -1)                                  # [B, k, L, V]
-        j, c = torch.arange(L, device=x.device), torch.arange(k, device=x.device)
-        valid = j[None, :] >= c[:, None]                                   # [k, L]
-        rows = logits[:, valid]                                            # [B, n, V]
+        rows = logits.view(B, k, L, -1)[:, valid]                          # [B, n, V]
         labels = y[:, None, :].expand(B, k, L)[:, valid]                   # [B, n]
-        ce = F.cross_entropy(rows.flatten(0, 1), labels.flatten())
+        logp = F.log_softmax(rows, -1)
+        nll = -logp.gather(-1, labels[..., None]).squeeze(-1)              # [B, n]
+        ce = nll.mean()
         with torch.no_grad():
             t_logp = F.log_softmax(teacher.compute_logits(teacher(x, _positions(x))).float(), -1)
         t_rows = t_logp[:, None].expand(B, k, L, -1)[:, valid]             # [B, n, V]
-        kl = F.kl_div(F.log_softmax(rows, -1).flatten(0, 1), t_rows.flatten(0, 1),
-                      log_target=True, reduction="batchmean")
-        per_copy = [F.cross_entropy(logits[:, c, c:].flatten(0, 1), y[:, c:].flatten()).item()
-                    for c in (0, k - 1)]
+        kl = F.kl_div(logp.flatten(0, 1), t_rows.flatten(0, 1), log_target=True,
+                      reduction="batchmean")
         return kd_alpha * kl + (1 - kd_alpha) * ce, {
-            "loss": ce.item(), "kl": kl.item(), "ce_copy0": per_copy[0], "ce_last": per_copy[1]}
+            "loss": ce.item(), "kl": kl.item(), "ce_copy0": nll[:, copy == 0].mean().item(),
+            "ce_last": nll[:, copy == k - 1].mean().item()}
     return fn
 
 
