@@ -14,6 +14,8 @@ from pathlib import Path
 
 from specserve.config import ModelConfig, SchedulerConfig, ServerConfig, load_json_or_yaml_arg
 from specserve.methods import head_methods
+from specserve.methods.dflash import DEFAULT_BLOCK_SIZE as DFLASH_BLOCK_SIZE
+from specserve.methods.dflash import DEFAULT_NUM_LAYERS as DFLASH_NUM_LAYERS
 
 
 def _arg_type(f: dataclasses.Field):
@@ -108,12 +110,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     if args.kind in head_methods():
         from specserve.train.heads import train_head
         result = train_head(args.kind, cfg, Path(args.target), Path(args.out),
-                            k=args.num_speculative_tokens or 4,
+                            k=args.num_speculative_tokens or _default_train_k(args),
                             gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)),
                             draft_vocab=args.draft_vocab_size,
                             init=Path(args.init) if args.init else None,
                             refresh_vocab=args.refresh_draft_vocab,
-                            hidden_states=Path(args.hidden_states) if args.hidden_states else None)
+                            hidden_states=Path(args.hidden_states) if args.hidden_states else None,
+                            head_options=_head_options(args))
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
     if args.kind == "pard":
@@ -139,6 +142,22 @@ def cmd_train(args: argparse.Namespace) -> None:
               f"(checkpoint in {cfg.work_dir})")
     else:
         print(json.dumps({"val_bits_per_byte": bpb, "model": args.out}))
+
+
+def _head_options(args: argparse.Namespace) -> dict:
+    """The method's own shape settings (dflash: --block-size, --layers)."""
+    if args.kind != "dflash":
+        if args.block_size or args.layers:
+            raise SystemExit("specserve train: --block-size and --layers are for dflash")
+        return {}
+    return {"block_size": args.block_size, "num_layers": args.layers}
+
+
+def _default_train_k(args: argparse.Namespace) -> int:
+    """K that tau is measured at: a dflash block's masks, else 4."""
+    if args.kind == "dflash":
+        return (args.block_size or DFLASH_BLOCK_SIZE) - 1
+    return 4
 
 
 def cmd_zoo(args: argparse.Namespace) -> None:
@@ -217,6 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heads: train on the files speculative_config method "
                         "extract_hidden_states wrote to this directory (served traffic) instead "
                         "of corpus text; no target pass is run")
+    t.add_argument("--block-size", type=int, default=None,
+                   help=f"dflash: rows of the drafted block, the first the last verified token "
+                        f"(default {DFLASH_BLOCK_SIZE}; K defaults to one less)")
+    t.add_argument("--layers", type=int, default=None,
+                   help=f"dflash: drafter layers (default {DFLASH_NUM_LAYERS})")
     t.add_argument("--vocab-size", type=int, default=8192, help="lm: BPE vocabulary size")
     add_dataclass_args(t, TrainConfig, skip=("work_dir",))
     add_dataclass_args(t, ModelShape)

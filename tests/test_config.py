@@ -55,7 +55,7 @@ from specserve.methods import resolve_speculative_config
       "draft_confidence_threshold": 1.0},
      r"draft_confidence_threshold must be a number in \[0, 1\), got 1.0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_confidence_threshold": 0.5},
-     "draft_confidence_threshold applies to draft_model, eagle3, eagle, mtp, not 'ngram'"),
+     "draft_confidence_threshold applies to draft_model, eagle3, eagle, mtp, dflash, not 'ngram'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3},
      "unknown speculative_config key 'lookahead'; valid keys: method, model"),
 ])
@@ -150,7 +150,7 @@ def test_synthetic_keys_need_synthetic():
     ({"method": "ngram", "suffix_decoding_max_tree_depth": 8},
      "suffix_decoding_max_tree_depth applies to method 'suffix' only"),
     ({"method": "eagle3", "model": "m", "draft_sample_method": "probabilistic"},
-     "draft_sample_method 'probabilistic' applies to draft_model, not 'eagle3'"),
+     "draft_sample_method 'probabilistic' applies to draft_model, dflash, not 'eagle3'"),
     ({"method": "draft_model", "model": "m", "rejection_sample_method": "probabilistic"},
      "set draft_sample_method 'probabilistic'"),
 ])

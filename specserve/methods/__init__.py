@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.methods import (custom_class, draft_model, eagle, eagle3, extract_hidden_states,
-                               medusa, mlp_speculator, mtp, ngram, suffix)
+from specserve.methods import (custom_class, dflash, draft_model, eagle, eagle3,
+                               extract_hidden_states, medusa, mlp_speculator, mtp, ngram, suffix)
 from specserve.methods.base import (
     DraftContext,
     MethodSpec,
@@ -34,7 +34,7 @@ logger = logging.getLogger("specserve")
 # Detection checks methods in this order (eagle3 before eagle: "eagle3" contains "eagle").
 REGISTRY: dict[str, MethodSpec] = {s.name: s for s in (
     ngram.SPEC, suffix.SPEC, draft_model.SPEC, eagle3.SPEC, eagle.SPEC, medusa.SPEC,
-    mlp_speculator.SPEC, mtp.SPEC, custom_class.SPEC, extract_hidden_states.SPEC)}
+    mlp_speculator.SPEC, mtp.SPEC, dflash.SPEC, custom_class.SPEC, extract_hidden_states.SPEC)}
 
 
 def get(name: str) -> MethodSpec:

@@ -26,22 +26,11 @@ from specserve.kernels.cpu import max_rows
 from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 from specserve.models.loader import load_hf_config, load_model
 from specserve.models.metadata import ragged_inputs
-from specserve.sampling.sampler import greedy_ids, sample_from
+from specserve.methods.parallel import confident, drafts_from_rows, mask_token_id, pick_tokens
+from specserve.sampling.sampler import greedy_ids
 
-# where a parallel drafter's config.json names its mask token, in vLLM's order of lookup
-MASK_TOKEN_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
-
-
-def mask_token_id(draft_cfg: dict, path: str) -> int:
-    """The mask token a parallel draft was trained with (ValueError when it names none)."""
-    for key in MASK_TOKEN_KEYS:
-        if isinstance(draft_cfg.get(key), int):
-            return draft_cfg[key]
-    raise ValueError(f"{path}: parallel_drafting needs a draft trained for it, and its "
-                     f"config.json names no mask token ({', '.join(MASK_TOKEN_KEYS)}); train "
-                     "one from this draft with `specserve train pard --draft DIR --target DIR "
-                     "--out DIR`, or leave parallel_drafting off")
-
+PARD_HINT = ("train one from this draft with `specserve train pard --draft DIR --target DIR "
+             "--out DIR`, or leave parallel_drafting off")
 
 @dataclass
 class _DraftState:
@@ -77,7 +66,8 @@ class DraftModelProposer(ProposerBase):
         self.device = ctx.device
         self.sample = config.draft_sample_method == "probabilistic"
         self.threshold = config.draft_confidence_threshold
-        self.mask_id = mask_token_id(draft_cfg, config.model) if config.parallel_drafting else None
+        self.mask_id = (mask_token_id(draft_cfg, config.model, PARD_HINT)
+                        if config.parallel_drafting else None)
         if self.mask_id is not None and not 0 <= self.mask_id < ctx.vocab_size:
             raise ValueError(f"{config.model}: mask token {self.mask_id} is outside the "
                              f"vocabulary [0, {ctx.vocab_size})")
@@ -102,26 +92,6 @@ class DraftModelProposer(ProposerBase):
                                            self.device)
         hidden = self.model(ids, positions, md, self.cache.layers)           # [T, H]
         return self.model.compute_logits(hidden[_last_rows(lens, last, hidden)]).float()
-
-    def _pick(self, logits: torch.Tensor, reqs) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Next draft token per row: argmax, or a temperature sample with its probabilities."""
-        if not self.sample:
-            return greedy_ids(logits), [None] * len(reqs)
-        toks, probs = [], []
-        for row, r in zip(logits, reqs):
-            if r.params.is_greedy:
-                toks.append(int(row.argmax()))
-                probs.append(torch.nn.functional.one_hot(row.argmax(), row.numel()).float())
-            else:
-                p = (row / r.params.temperature).softmax(-1)
-                toks.append(sample_from(p, r.generator))
-                probs.append(p)
-        return toks, probs
-
-    def _sure(self, logits: torch.Tensor, toks: list[int]) -> list[bool]:
-        """Whether the drafter gave each chosen token (logits [B, V]) at least the threshold."""
-        chosen = logits.gather(-1, torch.tensor(toks, device=self.device)[:, None]).squeeze(-1)
-        return ((chosen - logits.logsumexp(-1)).exp() >= self.threshold).tolist()
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
@@ -155,16 +125,16 @@ class DraftModelProposer(ProposerBase):
         if self.chain is not None and len(reqs) <= max_rows(self.chain.lib):
             first = greedy_ids(logits)
             if self.threshold:          # a first draft below it is the only one
-                budgets = [n if ok else 1 for n, ok in zip(budgets, self._sure(logits, first))]
+                budgets = [n if ok else 1 for n, ok in zip(budgets, confident(logits, first, self.threshold))]
             drafts = self.chain(first, [r.num_tokens for r in reqs], [r.slot for r in reqs],
                                 budgets, self.threshold)
             active = []
         while active:
-            toks, ps = self._pick(logits, [reqs[i] for i in active])
+            toks, ps = pick_tokens(logits, [reqs[i] for i in active], self.sample)
             for i, t, p in zip(active, toks, ps):
                 drafts[i].append(t)
                 probs[i].append(p)
-            sure = self._sure(logits, toks) if self.threshold else [True] * len(active)
+            sure = confident(logits, toks, self.threshold) if self.threshold else [True] * len(active)
             active = [i for i, ok in zip(active, sure) if ok and len(drafts[i]) < budgets[i]]
             if not active:
                 break
@@ -186,30 +156,7 @@ class DraftModelProposer(ProposerBase):
         logits = self._forward(reqs, masked, starts, budgets)          # [sum(budgets), V]
         for r in reqs:
             self.state[r.request_id].num_computed = r.num_tokens     # the masks' KV is not kept
-        rows = list(itertools.accumulate(budgets, initial=0))
-        if not self.sample:                  # every row's argmax (and confidence) at once
-            toks = greedy_ids(logits)
-            sure = self._sure(logits, toks) if self.threshold else [True] * len(toks)
-            out = []
-            for lo, hi in zip(rows, rows[1:]):   # up to and including the first unsure draft
-                n = next((j + 1 for j, ok in enumerate(sure[lo:hi]) if not ok), hi - lo)
-                out.append(Proposal(toks[lo:lo + n]))
-            return out
-        drafts: list[list[int]] = [[] for _ in reqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        active = list(range(len(reqs)))
-        for j in range(max(budgets)):        # draft j of every request that drafts that far
-            active = [i for i in active if j < budgets[i]]
-            if not active:
-                break
-            step = logits[torch.tensor([rows[i] + j for i in active], device=logits.device)]
-            toks, ps = self._pick(step, [reqs[i] for i in active])
-            sure = self._sure(step, toks) if self.threshold else [True] * len(active)
-            for i, t, p in zip(active, toks, ps):
-                drafts[i].append(t)
-                probs[i].append(p)
-            active = [i for i, ok in zip(active, sure) if ok]
-        return [Proposal(d, torch.stack(p)) for d, p in zip(drafts, probs)]
+        return drafts_from_rows(logits, budgets, reqs, self.sample, self.threshold)
 
     def finish(self, request) -> None:
         self.state.pop(request.request_id, None)

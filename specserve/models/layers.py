@@ -157,17 +157,7 @@ class Attention(nn.Module):
         list of earlier unrolled passes' keys and values (see `_unrolled`), appended to.
         mask: dense training only, [S, S] bool (True = may attend) instead of causal."""
         lead = x.shape[:-1]                                      # [T] or [B, S]
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        v = qkv[..., self.q_size + self.kv_size:].view(*lead, Hkv, D)
-        if self.q_norm is None:      # q and k are adjacent: rotate them in one pass
-            qk = apply_rotary(qkv[..., :self.q_size + self.kv_size].view(*lead, H + Hkv, D),
-                              cos_sin)
-            q, k = qk[..., :H, :], qk[..., H:, :]
-        else:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rotary(self.q_norm(q.view(*lead, H, D)), cos_sin)
-            k = apply_rotary(self.k_norm(k.view(*lead, Hkv, D)), cos_sin)
+        q, k, v = self.project(x, cos_sin)
         if md is None:                                           # training
             if cache:
                 o = self._unrolled(q, k, v, cache)
@@ -179,6 +169,33 @@ class Attention(nn.Module):
                 cache.append((k, v))
             return self.o_proj(o.transpose(1, 2).reshape(*lead, self.q_size))
         return self.o_proj(self._cached(q, k, v, md, cache))
+
+    def project(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries [..., H, D], rotated keys and values [..., Hkv, D] of x [..., in]."""
+        lead = x.shape[:-1]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[..., self.q_size + self.kv_size:].view(*lead, Hkv, D)
+        if self.q_norm is None:      # q and k are adjacent: rotate them in one pass
+            qk = apply_rotary(qkv[..., :self.q_size + self.kv_size].view(*lead, H + Hkv, D),
+                              cos_sin)
+            return qk[..., :H, :], qk[..., H:, :], v
+        q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (apply_rotary(self.q_norm(q.view(*lead, H, D)), cos_sin),
+                apply_rotary(self.k_norm(k.view(*lead, Hkv, D)), cos_sin), v)
+
+    def project_kv(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [..., Hkv, D] of x [..., in] without its queries (DFlash
+        injects the target's context into a layer this way)."""
+        lead = x.shape[:-1]
+        w, b = self.qkv_proj.weight[self.q_size:], self.qkv_proj.bias
+        kv = F.linear(x, w, None if b is None else b[self.q_size:])         # [..., 2 * Hkv * D]
+        k, v = kv.view(*lead, 2, self.num_kv_heads, self.head_dim).unbind(-3)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rotary(k, cos_sin), v
 
     def _unrolled(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   earlier: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

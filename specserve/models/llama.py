@@ -88,10 +88,11 @@ class LlamaArgs:
         )
 
     def to_hf_config(self) -> dict:
-        """config.json contents (Llama-format) for a model this project trains."""
-        assert self.architecture == "LlamaForCausalLM" and not self.qk_norm
+        """config.json contents for a model this project trains (Llama, or Qwen3: DFlash)."""
+        model_type = {("LlamaForCausalLM", False): "llama",
+                      ("Qwen3ForCausalLM", True): "qwen3"}[self.architecture, self.qk_norm]
         return {
-            "architectures": [self.architecture], "model_type": "llama",
+            "architectures": [self.architecture], "model_type": model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,

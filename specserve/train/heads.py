@@ -44,14 +44,15 @@ from specserve.train.trainer import TrainConfig, _positions, train
 
 
 def build_head(method: str, target, k: int, draft_vocab: int | None = None,
-               token_counts: np.ndarray | None = None) -> nn.Module:
+               token_counts: np.ndarray | None = None, **options) -> nn.Module:
     """A fresh head of `method` for `target` (eagle3 may keep a reduced draft vocabulary: the
-    `draft_vocab` ids most frequent in `token_counts` [V])."""
+    `draft_vocab` ids most frequent in `token_counts` [V]; `options`: the method's own shape
+    settings, dflash's block_size and num_layers)."""
     spec = methods.get(method)
     if spec.new_head is None:
         raise ValueError(f"{method!r} has no head to train; choose from "
                          f"{', '.join(methods.head_methods())}")
-    return spec.new_head(target, k, draft_vocab, token_counts)
+    return spec.new_head(target, k, draft_vocab, token_counts, **options)
 
 
 def _init_from(head: nn.Module, method: str, d: Path, target,
@@ -241,12 +242,14 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
 def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: int = 4,
                gen: GeneratedData | None = None, corpus: Corpus | None = None,
                draft_vocab: int | None = None, init: Path | None = None,
-               refresh_vocab: bool = False, hidden_states: Path | None = None) -> dict:
+               refresh_vocab: bool = False, hidden_states: Path | None = None,
+               head_options: dict | None = None) -> dict:
     """Train a head for `target_dir` (starting from the head in `init` when given), write it to
     `out`, return its tau evaluation. With `hidden_states`, on the files `extract_hidden_states`
     wrote there instead of corpus text."""
     return train_heads({method: out}, cfg, target_dir, k, gen, corpus, draft_vocab,
-                       {method: init} if init else None, refresh_vocab, hidden_states)[method]
+                       {method: init} if init else None, refresh_vocab, hidden_states,
+                       head_options)[method]
 
 
 def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: int = 4,
@@ -254,7 +257,8 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
                 draft_vocab: int | None = None,
                 inits: dict[str, Path] | None = None,
                 refresh_vocab: bool = False,
-                hidden_states: Path | None = None) -> dict[str, dict]:
+                hidden_states: Path | None = None,
+                head_options: dict | None = None) -> dict[str, dict]:
     """Train a head of each method in `outs` (method -> output directory) on the same batches,
     write each in its format, return each one's tau evaluation ({} while unfinished; a
     "skipped" note where the checkpoint is already past this schedule). A method in `inits`
@@ -280,7 +284,8 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
         ids = with_generated(train_ids, gen or GeneratedData(), target_dir, corpus, work,
                              cfg.seed)
     counts = np.bincount(ids, minlength=target.args.vocab_size)
-    heads = nn.ModuleDict({m: build_head(m, target, k, draft_vocab, counts) for m in names})
+    heads = nn.ModuleDict({m: build_head(m, target, k, draft_vocab, counts,
+                                         **(head_options or {})) for m in names})
     if hidden_states is not None:
         if len(names) > 1:
             raise ValueError("--hidden-states trains one head at a time")

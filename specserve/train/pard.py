@@ -23,24 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from specserve.data.corpus import Corpus
+from specserve.methods.parallel import unused_token
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model
 from specserve.train.generated import GeneratedData, with_generated
 from specserve.train.heads import evaluate_tau
 from specserve.train.lm import _setup, prepare_data, train_and_export
 from specserve.train.trainer import LossFn, TrainConfig, _positions
-
-SPECIAL_TOKENS = 3          # <|endoftext|>, <|im_start|>, <|im_end|>: never a mask
-
-
-def unused_token(train_ids: np.ndarray, vocab_size: int) -> int:
-    """The lowest non-special id that never occurs in the training tokens."""
-    seen = np.bincount(train_ids, minlength=vocab_size)
-    free = np.nonzero(seen[SPECIAL_TOKENS:] == 0)[0]
-    if not len(free):
-        raise ValueError("every token id occurs in the training text: no id is free for PARD's "
-                         "mask token")
-    return int(free[0]) + SPECIAL_TOKENS
 
 
 def pard_mask(length: int, k: int, device: torch.device | None = None) -> torch.Tensor:

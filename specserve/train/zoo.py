@@ -12,7 +12,9 @@ Stages (each resumes from its checkpoint in `<work>/`):
 5. models/code-target: 150 more unlikelihood steps on 128-token rollouts (`TARGET_UL[1]`);
 6. models/code-draft and models/code-target-{eagle,eagle3,medusa,mlp-speculator,mtp}: the
    stage-1 draft and heads fine-tuned for that target (`retarget`, `RETARGET_*`), EAGLE-3 then
-   seven times more on more greedy text (`RETARGET_EAGLE3_MORE`).
+   seven times more on more greedy text (`RETARGET_EAGLE3_MORE`);
+7. models/code-draft-pard: that draft adapted to parallel drafting (`PARD_STAGES`);
+8. models/code-target-dflash: a DFlash drafter for that target (`DFLASH_STAGES`).
 """
 
 from __future__ import annotations
@@ -206,9 +208,37 @@ def build_pard(out: Path, work: Path, **kw) -> float:
     return bpb
 
 
+# The DFlash drafter for the final target: DFLASH_LAYERS target-wide layers drafting blocks of
+# DFLASH_BLOCK (K up to 7), trained from fresh weights at the heads' learning rate on corpus
+# text with 30% target greedy continuations; stages as HEAD_RECIPES.
+DFLASH_LAYERS, DFLASH_BLOCK = 3, 8
+DFLASH_STAGES: list[tuple[int, GeneratedData]] = [(3000, GREEDY)]
+
+
+def dflash_config(work: Path, steps: int, **kw) -> TrainConfig:
+    return TrainConfig(work_dir=str(work / "code-target-dflash"), steps=steps, batch_size=8,
+                       seq_len=512, lr=HEAD_LR, warmup=100, eval_every=100_000, ckpt_every=50,
+                       **kw)
+
+
+def build_dflash(out: Path, work: Path, **kw) -> bool:
+    """`<out>/code-target-dflash` for `<out>/code-target`; False when stopped on the time
+    limit (run again to resume)."""
+    target = out / "code-target"
+    for steps, gen in DFLASH_STAGES:
+        results = train_heads({"dflash": Path(head_dir(target, "dflash"))},
+                              dflash_config(work, steps, **kw), target, k=DFLASH_BLOCK - 1,
+                              gen=gen, head_options={"block_size": DFLASH_BLOCK,
+                                                     "num_layers": DFLASH_LAYERS})
+        if not all(results.values()):
+            return False
+        _report(results, target, f"{steps} steps")
+    return True
+
+
 def _report(results: dict[str, dict], target: Path, stage: str) -> None:
     for m, result in results.items():
-        done = f"tau {result['tau']:.2f} at K=4" if "tau" in result else result["skipped"]
+        done = f"tau {result['tau']:.2f}" if "tau" in result else result["skipped"]
         print(f"{Path(head_dir(target, m)).name} ({stage}): {done}", flush=True)
 
 
@@ -253,7 +283,7 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
     if not retarget(out_dir, work_dir, stage1, **kw):
         return
     bpb = build_pard(out_dir, work_dir, **kw)
-    if bpb != bpb:
+    if bpb != bpb or not build_dflash(out_dir, work_dir, **kw):
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "MANIFEST").write_text(manifest(out_dir))
@@ -265,6 +295,7 @@ MANIFEST_STAGES = {
                    "TARGET_UL)",
     "code-draft": "draft: DRAFT_STAGES, then retarget (RETARGET_DRAFT)",
     "code-draft-pard": "parallel draft: code-draft adapted by PARD_STAGES (train pard, K = 8)",
+    "code-target-dflash": "dflash drafter: DFLASH_STAGES (3 layers, blocks of 8)",
     "code-target-eagle3": "eagle3 head: HEAD_RECIPES, retarget, RETARGET_EAGLE3_MORE",
     "code-target-eagle": "eagle head: HEAD_RECIPES, retarget",
     "code-target-medusa": "medusa head: HEAD_RECIPES, retarget",

@@ -104,11 +104,11 @@ def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path,  # 
 
 
 def test_a_draft_without_a_mask_token_and_other_methods_are_refused(llama_dir, draft_dir):
-    with pytest.raises(ValueError, match="needs a draft trained for it.*pard_token"):
+    with pytest.raises(ValueError, match="needs a drafter trained for it.*pard_token"):
         LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(draft_dir, 4))
     for spec in ({"method": "ngram", "num_speculative_tokens": 3},
                  {"method": "suffix", "num_speculative_tokens": 3}):
-        with pytest.raises(ValueError, match="parallel_drafting applies to draft_model, not"):
+        with pytest.raises(ValueError, match="parallel_drafting applies to draft_model, dflash, not"):
             LLM(str(llama_dir), device=DEVICE, speculative_config=spec | {
                 "parallel_drafting": True})
 

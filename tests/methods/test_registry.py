@@ -22,7 +22,8 @@ def test_every_method_has_one_complete_record():
         assert all(head) or not any(head), spec.name          # a head has all four
         if spec.new_head is not None:
             assert spec.reads_hidden_states
-    assert set(methods.head_methods()) == {"eagle", "eagle3", "medusa", "mlp_speculator", "mtp"}
+    assert set(methods.head_methods()) == {"dflash", "eagle", "eagle3", "medusa", "mlp_speculator",
+                                          "mtp"}
     with pytest.raises(ValueError, match="method 'nope' is not known; use one of ngram"):
         methods.get("nope")
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from specserve import LLM, SamplingParams
-from specserve.train.pard import train_pard, unused_token
+from specserve.methods.parallel import unused_token
+from specserve.train.pard import train_pard
 from specserve.train.trainer import TrainConfig
 from tests.conftest import DEVICE
 

@@ -362,16 +362,16 @@ static inline __attribute__((always_inline)) void wsum_pass(const float *p, int6
 
 /* The attention outputs of nq queries over the values v [L, D] of one KV head: query r is head
  * r % group of row r / group, whose output goes to o + (r / group) * ld + (r % group) * D;
- * its softmax weights are p + r * ldp, scaled by inv[r], and it sees L = pos[r / group] + 1
- * keys (pos rises). o_r[d] = inv[r] * sum_j p_r[j] v[j * D + d], summed in order of j. */
+ * its softmax weights are p + r * ldp, scaled by inv[r], and it sees L = lens[r / group]
+ * keys (lens rises). o_r[d] = inv[r] * sum_j p_r[j] v[j * D + d], summed in order of j. */
 static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group,
-                          const int64_t *pos, const float *v, int64_t D, const float *inv,
+                          const int64_t *lens, const float *v, int64_t D, const float *inv,
                           float *o, int64_t ld) {
     const int64_t nv = D % VL == 0 ? D / VL : 0;
     const int fast = nv == 1 || nv == 2 || nv == 4 || nv == 8;
     const int64_t per = !fast ? 1 : ACC / nv < 8 ? ACC / nv : 8;
     for (int64_t r0 = 0; r0 < nq; r0 += per) {
-        const int64_t n = nq - r0 < per ? nq - r0 : per, Lc = pos[r0 / group] + 1;
+        const int64_t n = nq - r0 < per ? nq - r0 : per, Lc = lens[r0 / group];
         const float *pr = p + r0 * ldp;
         float *out[8];
         for (int64_t k = 0; k < n; k++)
@@ -387,7 +387,7 @@ static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group
         }
         for (int64_t k = 0; k < n; k++) {     /* the keys this query sees beyond the pass's */
             const float *pk = pr + k * ldp;
-            for (int64_t j = Lc; j < pos[(r0 + k) / group] + 1; j++)
+            for (int64_t j = Lc; j < lens[(r0 + k) / group]; j++)
                 for (int64_t d = 0; d < D; d++) out[k][d] += pk[j] * v[j * D + d];
             for (int64_t d = 0; d < D; d++) out[k][d] *= inv[r0 + k];
         }
@@ -472,7 +472,8 @@ typedef struct {
  * rot_stride apart);
  * its keys and values are written there and it attends to positions 0..positions[t] of that
  * slot (a request's rows are consecutive positions, so this is causal), or, given `mask`
- * (draft-tree nodes), to those of them where mask[t * mask_stride + position] is nonzero.
+ * (draft-tree nodes, DFlash's non-causal block), to the positions < mask_stride where
+ * mask[t * mask_stride + position] is nonzero.
  * k_cache, v_cache: [num_slots, num_kv_heads, max_len, head_dim]. Returns 0, or -1 when out
  * of memory. */
 static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
@@ -522,11 +523,13 @@ static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
     }
     /* Attention, one work item per (run of rows of one request, KV head): the item's queries
      * (its rows times the query heads sharing the KV head) read each block of 16 keys once. */
-    int64_t *run = malloc(sizeof(int64_t) * (T + 1)), nruns = 0;
+    int64_t *run = malloc(sizeof(int64_t) * (2 * T + 1)), nruns = 0;
     if (!run) {
         free(h); free(wide); free(act);
         return -1;
     }
+    int64_t *lens = run + T + 1;                        /* keys row t may see */
+    for (int64_t t = 0; t < T; t++) lens[t] = mask ? mask_stride : positions[t] + 1;
     for (int64_t t = 0; t < T; t++)
         if (t == 0 || slots[t] != slots[t - 1] || positions[t] != positions[t - 1] + 1)
             run[nruns++] = t;
@@ -535,7 +538,7 @@ static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic)
     for (int64_t item = 0; item < nruns * NKV; item++) {
         const int64_t t0 = run[item / NKV], t1 = run[item / NKV + 1], g = item % NKV;
-        const int64_t Lmax = positions[t1 - 1] + 1;       /* positions rise within a run */
+        const int64_t Lmax = lens[t1 - 1];                /* lens rise within a run */
         const int64_t base = slots[t0] * slot_stride + g * s->max_len * D;
         const float *kc = k_cache + base, *vc = v_cache + base;
         const int64_t nq = (t1 - t0) * group;           /* query r: head a = r % group of */
@@ -548,17 +551,17 @@ static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
         float *inv = p + nq * Lmax;
         for (int64_t j0 = 0; j0 < Lmax; j0 += 16)
             for (int64_t t = t0; t < t1; t++) {
-                const int64_t L = positions[t] + 1, n = L - j0 < 16 ? L - j0 : 16;
+                const int64_t L = lens[t], n = L - j0 < 16 ? L - j0 : 16;
                 for (int64_t a = 0; n > 0 && a < group; a++)
                     scores(wide + t * QKV + (g * group + a) * D, kc + j0 * D, n, D, s->scale,
                            p + ((t - t0) * group + a) * Lmax + j0);
             }
         for (int64_t r = 0; r < nq; r++) {
             const int64_t t = t0 + r / group;
-            inv[r] = 1.f / softmax_weights(p + r * Lmax, positions[t] + 1,
+            inv[r] = 1.f / softmax_weights(p + r * Lmax, lens[t],
                                            mask ? mask + t * mask_stride : NULL);
         }
-        weighted_sums(p, Lmax, nq, group, positions + t0, vc, D, inv,
+        weighted_sums(p, Lmax, nq, group, lens + t0, vc, D, inv,
                       attn + t0 * NH * D + g * group * D, NH * D);
         free(p);
     }
