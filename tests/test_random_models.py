@@ -35,3 +35,17 @@ def test_a_random_model_is_built_once_and_serves_with_synthetic_acceptance(tmp_p
     out = llm.generate("def f(x): return f(x)", SamplingParams(temperature=0, max_tokens=8),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 8
+
+
+def test_random_heads_are_built_beside_a_random_target_and_draft(tmp_path):
+    spec = "random:hidden=64,layers=4,inter=128,heads=4,kv=2"
+    path = random_models.materialize(spec, REPO / "models" / "code-target", root=tmp_path)
+    random_models.random_heads(path)
+    for method in random_models.RANDOM_HEADS:
+        llm = LLM(path, device=DEVICE, speculative_config={
+            "model": f"{path}-{method}", "num_speculative_tokens": 4,
+            "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 1.0})
+        assert llm.engine.spec.method == method
+        llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                     use_tqdm=False)
+        assert llm.get_stats()["mean_acceptance_length"] == pytest.approx(5.0, abs=0.5)

@@ -3,8 +3,10 @@
 A step of a 0.5B-8B model reads more weight bytes than any cache holds, so a verify step of a
 few rows costs about what a one-row step does. `--target random:llama-3.2-1b` (or
 `random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D]`) builds such a model once under
-runs/random/ with the bundled tokenizer's vocabulary, in the Llama format the engine loads;
-its text is noise, so benchmarks pair it with `rejection_sample_method: synthetic`.
+runs/random/ with the bundled tokenizer's vocabulary, in the Llama format the engine loads,
+with random heads of the methods in RANDOM_HEADS beside it (where the benchmarks look for a
+target's heads); its text is noise, so benchmarks pair it with
+`rejection_sample_method: synthetic`.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from specserve import methods
+from specserve.data.zoo import head_dir
 from specserve.models.llama import LlamaArgs
+from specserve.models.loader import load_model
 
 PREFIX = "random:"
 # the public models' shapes (their vocabularies become the bundled tokenizer's)
@@ -26,6 +32,8 @@ SHAPES: dict[str, dict[str, int]] = {
     "qwen2.5-1.5b": dict(hidden=1536, layers=28, inter=8960, heads=12, kv=2),
 }
 KEYS = ("hidden", "layers", "inter", "heads", "kv", "head_dim")
+# heads built beside a random target (method -> new_head options), shaped as the zoo's
+RANDOM_HEADS: dict[str, dict] = {"eagle3": {}, "dflash": {"block_size": 8, "num_layers": 3}}
 
 
 def parse(spec: str) -> dict[str, int]:
@@ -98,6 +106,31 @@ def materialize(spec: str, tokenizer_dir: str | Path, root: str | Path = "runs/r
     return str(out)
 
 
+def random_heads(target_dir: str, seed: int = 0) -> None:
+    """Random heads of RANDOM_HEADS for the random target in `target_dir` (each built once),
+    weights from N(0, 0.02^2) as the target's, stored in bfloat16."""
+    todo = [m for m in RANDOM_HEADS if not (Path(head_dir(target_dir, m)) / "config.json").is_file()]
+    if not todo:
+        return
+    target = load_model(target_dir, torch.float32, torch.device("cpu"))
+    counts = np.ones(target.args.vocab_size, dtype=np.int64)
+    counts[3] = 0                              # the first id past the special ones: a mask token
+    g = torch.Generator().manual_seed(seed)
+    for m in todo:
+        spec = methods.get(m)
+        head = spec.new_head(target, 4, None, counts, **RANDOM_HEADS[m])
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if p.dim() >= 2 and not name.startswith(("embed_tokens.", "lm_head.")):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        spec.write(head, Path(head_dir(target_dir, m)), Path(target_dir), torch.bfloat16)
+
+
 def resolve(path: str, tokenizer_dir: str | Path) -> str:
-    """A model directory for `path`: itself, or the built random model for `random:...`."""
-    return materialize(path, tokenizer_dir) if path.startswith(PREFIX) else path
+    """A model directory for `path`: itself, or the built random model (and its random heads)
+    for `random:...`."""
+    if not path.startswith(PREFIX):
+        return path
+    out = materialize(path, tokenizer_dir)
+    random_heads(out)
+    return out

@@ -71,6 +71,19 @@ def test_greedy_output_is_the_targets_alone_and_in_mixed_batches(llama_dir, dfla
     assert m["spec_decode_num_accepted_tokens"] > 0
 
 
+@pytest.mark.parametrize("extra", [{"disable_by_batch_size": 3}, {"adaptive_k": True}],
+                         ids=["disable_by_batch_size", "adaptive_k"])
+def test_drafting_paused_or_shortened_keeps_output(llama_dir, dflash_dir, extra):
+    """Steps without drafts still write the context, so drafting resumes on a whole one."""
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(6, seed=11)]
+    sps = [_greedy(16 + 8 * i) for i in range(6)]       # requests end one by one
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device=DEVICE).generate(
+        ps, sps, use_tqdm=False)]
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(dflash_dir, 4, **extra))
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, sps, use_tqdm=False)] == ref
+    assert llm.get_stats()["spec_decode_num_drafts"] > 0
+
+
 def test_a_trained_drafter_is_lossless_and_accepts(tmp_path):
     """The bundled drafter on the bundled target: greedy output unchanged, most steps gain."""
     target, drafter = Path("models/code-target"), Path("models/code-target-dflash")

@@ -55,7 +55,7 @@ def test_refreshed_draft_vocab_keeps_the_rows_of_tokens_both_hold():
 
 @pytest.mark.parametrize("method, draft_vocab, top1", [
     ("medusa", None, 0), ("mlp_speculator", None, 0), ("eagle", None, 0), ("eagle3", None, 0),
-    ("eagle3", 100, 1.0), ("mtp", None, 0)])
+    ("eagle3", 100, 1.0), ("mtp", None, 0), ("dflash", None, 0)])
 def test_head_training_smoke(method, draft_vocab, top1, tiny_lm, small_corpus, tmp_path):
     """Seconds of training lower the loss, write the public format, and the head loads and
     speculates losslessly with a measured tau."""
@@ -85,6 +85,28 @@ def test_head_training_smoke(method, draft_vocab, top1, tiny_lm, small_corpus, t
     if method == "mtp":     # the target's weights are linked, not copied
         shards = [f for f in model.iterdir() if f.suffix == ".safetensors"]
         assert [f.name for f in shards if not f.is_symlink()] == ["model-mtp.safetensors"]
+
+
+def test_train_dflash_takes_its_block_size_and_layers(tiny_lm, small_corpus, tmp_path):
+    from specserve.cli import main
+    from specserve.train.heads import train_head
+    target, _, _ = tiny_lm
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=3, batch_size=2, seq_len=32,
+                      warmup=1, bf16=False, device=DEVICE)
+    result = train_head("dflash", cfg, target, tmp_path / "d", k=3,
+                        gen=GeneratedData(num_generated=1, generated_len=8), corpus=small_corpus,
+                        head_options={"block_size": 4, "num_layers": 1})
+    written = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert (written["block_size"], written["num_hidden_layers"]) == (4, 1)
+    assert len(result["per_position"]) == 3
+    quality = json.loads((tmp_path / "d" / "quality.json").read_text())
+    assert quality["k"] == 3 and quality["tau"] == result["tau"]
+    with pytest.raises(ValueError, match="a block of 4 drafts at most 3 tokens, not K=5"):
+        train_head("dflash", cfg, target, tmp_path / "e", k=5, corpus=small_corpus,
+                   head_options={"block_size": 4})
+    with pytest.raises(SystemExit, match="--block-size and --layers are for dflash"):
+        main(["train", "eagle3", "--target", str(target), "--out", str(tmp_path / "x"),
+              "--block-size", "4"])
 
 
 def test_top1_weight_adds_a_cross_entropy_to_the_targets_top_token():
