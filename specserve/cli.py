@@ -107,6 +107,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         args.work_dir = str(Path("runs") / Path(args.out).name)
     cfg = TrainConfig(**dataclass_kwargs(args, TrainConfig))
     shape = ModelShape(**dataclass_kwargs(args, ModelShape))
+    head_options = _head_options(args)
     if args.kind in head_methods():
         from specserve.train.heads import train_head
         result = train_head(args.kind, cfg, Path(args.target), Path(args.out),
@@ -116,7 +117,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                             init=Path(args.init) if args.init else None,
                             refresh_vocab=args.refresh_draft_vocab,
                             hidden_states=Path(args.hidden_states) if args.hidden_states else None,
-                            head_options=_head_options(args))
+                            head_options=head_options)
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
     if args.kind == "pard":
@@ -145,7 +146,12 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _head_options(args: argparse.Namespace) -> dict:
-    """The method's own shape settings (dflash: --block-size, --layers)."""
+    """The method's own shape settings (dflash: --block-size, --layers; eagle3: --parallel)."""
+    if args.parallel and args.kind != "eagle3":
+        raise SystemExit("specserve train: --parallel is for eagle3 (a P-EAGLE head); for a "
+                         "draft model use `specserve train pard`")
+    if args.kind == "eagle3" and args.parallel:
+        return {"parallel": True}
     if args.kind != "dflash":
         if args.block_size or args.layers:
             raise SystemExit("specserve train: --block-size and --layers are for dflash")
@@ -236,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heads: train on the files speculative_config method "
                         "extract_hidden_states wrote to this directory (served traffic) instead "
                         "of corpus text; no target pass is run")
+    t.add_argument("--parallel", action="store_true",
+                   help="eagle3: a P-EAGLE head, trained to draft all K tokens in one pass "
+                        "(parallel_drafting); --init may name a chain head to start from")
     t.add_argument("--block-size", type=int, default=None,
                    help=f"dflash: rows of the drafted block, the first the last verified token "
                         f"(default {DFLASH_BLOCK_SIZE}; K defaults to one less)")

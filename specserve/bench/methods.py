@@ -45,8 +45,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "whose draft or head exists (heads at <target>-<method>); METHOD@DIR "
                         "takes the draft or head from DIR (compare two heads side by side); "
                         "suffixes, combinable: METHOD+tree drafts the --token-tree (eagle, "
-                        "eagle3, medusa, mtp), draft_model+parallel drafts in one pass (PARD; "
-                        "the draft at <draft>-pard unless @DIR), METHOD+k=N drafts N tokens, "
+                        "eagle3, medusa, mtp), METHOD+parallel drafts in one pass (draft_model: "
+                        "PARD, the draft at <draft>-pard; eagle3: P-EAGLE, the head at "
+                        "<target>-eagle3-parallel; unless @DIR), METHOD+k=N drafts N tokens, "
                         "METHOD+conf=P sets "
                         "draft_confidence_threshold P (draft_model, eagle, eagle3, mtp), "
                         "METHOD+lookup=N sets hybrid_prompt_lookup N (model-based methods), "
@@ -101,7 +102,7 @@ def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
     """method name -> (model to load, speculative_config), from the common flags."""
     extra = json.loads(a.spec_extra) if a.spec_extra else {}
     names = (tuple(n for n, s in methods.REGISTRY.items() if s.in_benchmarks)
-             + ("draft_model+parallel",)
+             + ("draft_model+parallel", "eagle3+parallel")
              if a.methods == "available" else tuple(filter(None, a.methods.split(","))))
     out = {}
     for name in names:
@@ -115,8 +116,8 @@ def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
         uses = methods.get(m)
         if path and not (uses.needs_model or uses.reads_hidden_states):
             raise SystemExit(f"{m} drafts without a model; drop '@{path}'")
-        if "parallel" in suffixes and not path:     # the zoo's parallel draft beside the draft
-            path = f"{a.draft}-pard"
+        if "parallel" in suffixes and not path:     # the zoo's parallel draft or head
+            path = f"{a.draft}-pard" if m == "draft_model" else f"{head_dir(a.target, m)}-parallel"
         if path:
             model, spec = (path, spec) if uses.model_is_target else (model, spec | {"model": path})
         needed = Path(spec.get("model", model))

@@ -32,8 +32,11 @@ SHAPES: dict[str, dict[str, int]] = {
     "qwen2.5-1.5b": dict(hidden=1536, layers=28, inter=8960, heads=12, kv=2),
 }
 KEYS = ("hidden", "layers", "inter", "heads", "kv", "head_dim")
-# heads built beside a random target (method -> new_head options), shaped as the zoo's
-RANDOM_HEADS: dict[str, dict] = {"eagle3": {}, "dflash": {"block_size": 8, "num_layers": 3}}
+# heads built beside a random target, where the benchmarks look for them (directory suffix ->
+# method, new_head options), shaped as the zoo's
+RANDOM_HEADS: dict[str, tuple[str, dict]] = {
+    "eagle3": ("eagle3", {}), "eagle3-parallel": ("eagle3", {"parallel": True}),
+    "dflash": ("dflash", {"block_size": 8, "num_layers": 3})}
 
 
 def parse(spec: str) -> dict[str, int]:
@@ -109,21 +112,23 @@ def materialize(spec: str, tokenizer_dir: str | Path, root: str | Path = "runs/r
 def random_heads(target_dir: str, seed: int = 0) -> None:
     """Random heads of RANDOM_HEADS for the random target in `target_dir` (each built once),
     weights from N(0, 0.02^2) as the target's, stored in bfloat16."""
-    todo = [m for m in RANDOM_HEADS if not (Path(head_dir(target_dir, m)) / "config.json").is_file()]
+    todo = [n for n in RANDOM_HEADS
+            if not (Path(head_dir(target_dir, n)) / "config.json").is_file()]
     if not todo:
         return
     target = load_model(target_dir, torch.float32, torch.device("cpu"))
     counts = np.ones(target.args.vocab_size, dtype=np.int64)
     counts[3] = 0                              # the first id past the special ones: a mask token
     g = torch.Generator().manual_seed(seed)
-    for m in todo:
-        spec = methods.get(m)
-        head = spec.new_head(target, 4, None, counts, **RANDOM_HEADS[m])
+    for name in todo:
+        method, options = RANDOM_HEADS[name]
+        spec = methods.get(method)
+        head = spec.new_head(target, 4, None, counts, **options)
         with torch.no_grad():
-            for name, p in head.named_parameters():
-                if p.dim() >= 2 and not name.startswith(("embed_tokens.", "lm_head.")):
+            for param_name, p in head.named_parameters():
+                if p.dim() >= 2 and not param_name.startswith(("embed_tokens.", "lm_head.")):
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        spec.write(head, Path(head_dir(target_dir, m)), Path(target_dir), torch.bfloat16)
+        spec.write(head, Path(head_dir(target_dir, name)), Path(target_dir), torch.bfloat16)
 
 
 def resolve(path: str, tokenizer_dir: str | Path) -> str:

@@ -1,7 +1,11 @@
 """EAGLE-3 (Li et al. 2025, speculators format; the yuhuili layout loads too): fc fuses three
 target layers' hidden states, the decoder layer attends over [norm(embedding); norm(state)],
 and an lm_head over a reduced draft vocabulary maps to target ids through `d2t`. Trained
-unrolled for K draft steps (EAGLE-3's training-time test)."""
+unrolled for K draft steps (EAGLE-3's training-time test).
+
+P-EAGLE (AWS, arXiv 2602.01469; vLLM's `eagle3` + `parallel_drafting`): the same head with a
+learned `mask_hidden` and a mask token drafts K tokens in one pass, the K-1 mask rows after
+the last pair standing in for the drafts not known yet; trained on the PARD layout."""
 
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from specserve.methods.checkpoints import (
     write_head,
 )
 from specserve.methods.head_proposer import HeadProposer
+from specserve.methods.parallel import first_unused, mask_token_id, pard_mask
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import MLP, Attention, RMSNorm
 from specserve.models.llama import LlamaArgs
@@ -46,21 +51,24 @@ class Eagle3DecoderLayer(nn.Module):
         self.mlp = MLP(H, a.intermediate_size)
         self.cpu_layer = None           # see DecoderLayer
 
-    def forward(self, emb, hidden, cos_sin, md, cache):
+    def forward(self, emb, hidden, cos_sin, md, cache, mask=None):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
         if self.cpu_layer is not None and kernel_step(md, x, self.cpu_layer.lib):
             return self.cpu_layer(hidden, cos_sin, md, cache, attn_in=x)
-        x = hidden + self.self_attn(x, cos_sin, md, cache)
+        x = hidden + self.self_attn(x, cos_sin, md, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Eagle3Head(StatefulHead):
     """EAGLE-3: fc fuses the target's aux hidden states (3H -> H) for the first draft step; the
     head's own pre-norm output feeds later steps; its lm_head covers a draft vocabulary mapped to
-    target ids by `d2t` (target id = draft id + d2t[draft id])."""
+    target ids by `d2t` (target id = draft id + d2t[draft id]). A P-EAGLE head (parallel
+    drafting) also has `mask_hidden` [1, num_aux * target_hidden], the target features its
+    mask rows stand on, and a mask token."""
 
     def __init__(self, args: LlamaArgs, num_aux: int, target_hidden: int, draft_vocab: int,
-                 target_vocab: int, embed: nn.Embedding) -> None:
+                 target_vocab: int, embed: nn.Embedding, mask_token_id: int | None = None
+                 ) -> None:
         H = args.hidden_size
         super().__init__(args, embed, nn.Linear(H, draft_vocab, bias=False))
         self.fc = nn.Linear(num_aux * target_hidden, H, bias=False)
@@ -68,13 +76,20 @@ class Eagle3Head(StatefulHead):
         self.norm = RMSNorm(H, args.rms_norm_eps)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.target_vocab = target_vocab
+        self.mask_token_id = mask_token_id
+        self.mask_hidden = (None if mask_token_id is None else
+                            nn.Parameter(torch.randn(1, num_aux * target_hidden) * 0.02))
 
     def fuse_target(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_hidden)
 
-    def forward(self, token_ids, h, positions, md, cache):
+    def mask_state(self) -> torch.Tensor:
+        """The fused state of a mask row: fc(mask_hidden), [1, H] (vLLM projects it once)."""
+        return self.fuse_target(self.mask_hidden)
+
+    def forward(self, token_ids, h, positions, md, cache, mask=None):
         emb = self.embed_tokens(token_ids)
-        return self.layers[0](emb, h, self.rotary.tables(positions, emb.dtype), md, cache)
+        return self.layers[0](emb, h, self.rotary.tables(positions, emb.dtype), md, cache, mask)
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out))                                  # [T, draft_vocab]
@@ -99,18 +114,26 @@ class Eagle3Head(StatefulHead):
         return full.index_copy(1, self.draft_to_target(), draft)
 
 
+PEAGLE_HINT = ("train one with `specserve train eagle3 --parallel --target DIR --out DIR` (from "
+               "this head: --init DIR), or leave parallel_drafting off")
+
+
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """The target layers a new EAGLE-3 head reads: early, middle, late (2, L/2, L-3)."""
     return (min(2, num_layers - 1), num_layers // 2, max(0, num_layers - 3))
 
 
 def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
-             token_counts: np.ndarray | None = None) -> Eagle3Head:
+             token_counts: np.ndarray | None = None, parallel: bool = False) -> Eagle3Head:
     """A fresh head; with `draft_vocab` < the target's vocabulary it keeps the `draft_vocab`
-    target ids most frequent in `token_counts` [V] (as EAGLE-3 does)."""
+    target ids most frequent in `token_counts` [V] (as EAGLE-3 does); `parallel`: a P-EAGLE
+    head, its mask token the lowest id unused in `token_counts`."""
     a = target.args
     n = min(draft_vocab or a.vocab_size, a.vocab_size)
-    head = Eagle3Head(layer_args(a), 3, a.hidden_size, n, a.vocab_size, target.embed_tokens)
+    if parallel and token_counts is None:
+        raise ValueError("a P-EAGLE head needs token counts to choose its mask token")
+    head = Eagle3Head(layer_args(a), 3, a.hidden_size, n, a.vocab_size, target.embed_tokens,
+                      first_unused(token_counts) if parallel else None)
     if n < a.vocab_size:
         if token_counts is None:
             raise ValueError("a reduced eagle3 draft vocabulary needs token counts")
@@ -134,7 +157,9 @@ def read(path: str | Path, target: nn.Module) -> Eagle3Head:
     target_hidden = cfg.get("target_hidden_size") or target.args.hidden_size
     num_aux = state["fc.weight"].shape[1] // target_hidden if "fc.weight" in state else 3
     emb = embedding_of(state, target, args.vocab_size, args.hidden_size)
-    head = Eagle3Head(args, num_aux, target_hidden, draft_vocab, target.args.vocab_size, emb)
+    mask = (mask_token_id(cfg, str(d), PEAGLE_HINT) if "mask_hidden" in state else None)
+    head = Eagle3Head(args, num_aux, target_hidden, draft_vocab, target.args.vocab_size, emb,
+                      mask)
     assign_weights(head, fuse_hf_names(state, 1), str(d), optional=("embed_tokens.", "rotary."))
     L = target.args.num_hidden_layers
     head.aux_layers = tuple(cfg.get("eagle_aux_hidden_state_layer_ids") or (2, L // 2, L - 3))
@@ -150,6 +175,9 @@ def write(head: Eagle3Head, out: Path, target_dir: Path, dtype: torch.dtype) -> 
            "transformer_layer_config": a.to_hf_config() | {"num_hidden_layers": 1}}
     tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight,
                "lm_head.weight": head.lm_head.weight, "d2t": head.d2t}
+    if head.mask_hidden is not None:                         # P-EAGLE
+        cfg["mask_token_id"] = head.mask_token_id
+        tensors["mask_hidden"] = head.mask_hidden
     tensors |= layer_tensors(head.layers[0], a, "layers.0.")
     write_head(out, cfg, tensors, dtype)
 
@@ -169,9 +197,29 @@ def unrolled_drafts(head: nn.Module, x: torch.Tensor, aux: torch.Tensor, pos: to
     return outs
 
 
+def parallel_drafts(head: Eagle3Head, x: torch.Tensor, aux: torch.Tensor, pos: torch.Tensor,
+                    k: int) -> torch.Tensor:
+    """A P-EAGLE head over every position of x [B, S] at once with k-1 mask copies (the PARD
+    layout, `pard_mask`): row t of copy 0 is the pair (target aux state at t, token t+1), of
+    copy c a mask row at the same position seeing pairs 0..t-c and one mask row per earlier
+    copy, as mask c after pair t-c does when drafting. Returns [B, k, S-1, H]; row t of copy c
+    drafts token t+2 (for t >= c)."""
+    B, L = x.shape[0], x.shape[1] - 1
+    h = torch.cat([head.fuse_target(aux[:, :-1]), head.mask_state().expand(B, (k - 1) * L, -1)],
+                  1)                                                    # [B, k * L, H]
+    tok = torch.cat([x[:, 1:], x.new_full((B, (k - 1) * L), head.mask_token_id)], 1)
+    out = head(tok, h, pos[:, :-1].repeat(1, k), None, None, pard_mask(L, k, x.device))
+    return out.view(B, k, L, -1)
+
+
 def loss(head: Eagle3Head, x, pos, h, aux, logp, k: int, distill):
     """KL over the draft vocabulary (logp is the target's over it) at each of the k unrolled
-    draft steps, averaged."""
+    draft steps (P-EAGLE: of the k copies of one parallel pass), averaged."""
+    if head.mask_hidden is not None:
+        outs = parallel_drafts(head, x, aux, pos, k)
+        kls = [distill(head.draft_logits(outs[:, c, c:]), logp[:, 1 + c:]) for c in range(k)]
+        total = sum(kls) / k
+        return total, {"kl": kls[0].item(), "kl_last": kls[-1].item(), "loss": total.item()}
     outs = unrolled_drafts(head, x, aux, pos, k)
     kls = [distill(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]
     total = sum(kls) / len(kls)
@@ -180,11 +228,17 @@ def loss(head: Eagle3Head, x, pos, h, aux, logp, k: int, distill):
 
 
 def build(config: SpeculativeConfig, ctx: DraftContext) -> HeadProposer:
-    return HeadProposer(config, ctx, read(config.model, ctx.target))
+    head = read(config.model, ctx.target)
+    if config.parallel_drafting and head.mask_hidden is None:
+        raise ValueError(f"{config.model}: parallel_drafting needs a P-EAGLE head (with "
+                         f"mask_hidden and a mask token), and this EAGLE-3 head was not trained "
+                         f"for it; {PEAGLE_HINT}")
+    return HeadProposer(config, ctx, head)
 
 
 SPEC = MethodSpec(
     name="eagle3", build=build,
     summary="EAGLE-3 head on three fused target layers, with a reduced draft vocabulary",
-    detect=("eagle3", "eagle-3"), needs_model=True, reads_hidden_states=True,
-    drafts_trees=True, steps_drafts=True, new_head=new_head, read=read, write=write, loss=loss)
+    detect=("eagle3", "eagle-3", "peagle"), needs_model=True, reads_hidden_states=True,
+    drafts_trees=True, steps_drafts=True, drafts_in_parallel=True, new_head=new_head, read=read,
+    write=write, loss=loss)

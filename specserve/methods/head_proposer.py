@@ -10,6 +10,11 @@ rollback is just the count of verified positions, as for the target. On the CPU 
 ingest pass and the greedy chain run in one C call (`HeadChain.after_ingest`) when the step's
 rows fit the kernel.
 
+With `parallel_drafting` (P-EAGLE) each drafting request's ingest rows continue, in the same
+pass, with K-1 mask rows (the mask token on the head's learned mask state): the outputs of its
+last pair and of the masks give all K drafts. The masks' KV lies past the verified positions,
+where the next step's pairs are written before anything reads it.
+
 While no request drafts (K = 0 by `disable_by_batch_size` or `adaptive_k`), ingestion waits:
 the target features of each step are kept per request and fed in one pass when drafting
 resumes, or once a request has `MAX_PENDING` of them (bounding the memory they hold).
@@ -24,6 +29,7 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.kernels.cpu import max_rows
 from specserve.methods.base import DraftContext, Proposal, ProposeBatch, ProposerBase
+from specserve.methods.parallel import drafts_from_rows
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import Rotary
 from specserve.models.metadata import build_tree_metadata, ragged_inputs
@@ -52,10 +58,15 @@ class HeadProposer(ProposerBase):
         self.device = ctx.device
         self.threshold = config.draft_confidence_threshold
         self.tree = config.token_tree()             # None: draft a chain
+        self.parallel = config.parallel_drafting
+        if self.parallel and self.tree is not None:
+            raise ValueError("parallel_drafting drafts a chain in one pass; drop "
+                             "speculative_token_tree (or parallel_drafting)")
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
         # greedy chains in one compiled call where the head has one (on the CPU kernel)
         self.chain = (self.head.kernel_chain(self.cache.layers[0])
-                      if self.tree is None and self.num_layers == 1 else None)
+                      if self.tree is None and self.num_layers == 1 and not self.parallel
+                      else None)
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs
         # request id -> target feature rows [n, F] for the positions after num_verified
         self.pending: dict[str, list[torch.Tensor]] = {}
@@ -98,6 +109,9 @@ class HeadProposer(ProposerBase):
         h = self.head.fuse_target(torch.cat(rows))                            # [T, H]
         ends = [e - 1 for e in itertools.accumulate(len(t) for t in tokens)]  # last rows
         drafting = batch.requests
+        if self.parallel and drafting:
+            return self._propose_parallel(reqs, tokens, h, starts, drafting,
+                                          batch.max_num_tokens)
         if (drafting and self.chain is not None
                 and max(len(drafting), len(h)) <= max_rows(self.chain.lib)):
             end = {id(r): e for r, e in zip(reqs, ends)}
@@ -140,6 +154,26 @@ class HeadProposer(ProposerBase):
                               [r.num_tokens - 2 + len(drafts[j]) for r, j in zip(sub, active)],
                               step + 1)
         return [Proposal(d) for d in drafts]
+
+    def _propose_parallel(self, reqs, tokens: list[list[int]], h: torch.Tensor,
+                          starts: list[int], drafting, budgets: list[int]) -> list[Proposal]:
+        """One head pass: every request's new pairs, each drafting request's followed by its
+        budget-1 mask rows; its last pair's row and its mask rows draft."""
+        masks = {id(r): n - 1 for r, n in zip(drafting, budgets)}
+        mask_state = self.head.mask_state()                                   # [1, H]
+        toks, states, rows, lo = [], [], {}, 0
+        for r, ts in zip(reqs, tokens):
+            m = masks.get(id(r), 0)
+            toks.append(ts + [self.head.mask_token_id] * m)
+            states.append(h[lo:lo + len(ts)])
+            states.append(mask_state.expand(m, -1))
+            end = sum(map(len, toks)) - m - 1                     # its last pair's row
+            rows[id(r)] = range(end, end + m + 1)
+            lo += len(ts)
+        out = self._run(reqs, toks, torch.cat(states), starts)               # [T + masks, H]
+        picks = torch.tensor([i for r in drafting for i in rows[id(r)]], device=self.device)
+        logits = self.head.logits(out[picks]).float()                        # [sum(budgets), V]
+        return drafts_from_rows(logits, budgets, drafting, False, self.threshold)
 
     def _draft_trees(self, reqs, budgets: list[int], state: torch.Tensor) -> list[Proposal]:
         """Expand the token tree level by level: one head pass per level over every node that

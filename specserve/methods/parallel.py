@@ -45,6 +45,22 @@ def first_unused(counts: np.ndarray) -> int:
     return int(free[0]) + NUM_SPECIAL_TOKENS
 
 
+def pard_mask(length: int, k: int, device: torch.device | None = None) -> torch.Tensor:
+    """The training layout of a parallel drafter (PARD, P-EAGLE): [k * length, k * length]
+    bool, True = may attend, for a sequence of `length` real rows followed by k-1 mask copies
+    (row c * length + j = copy c at position j). Copy c at position j sees what the mask c
+    rows after real row j - c sees at inference: real rows 0..j-c and one row of each earlier
+    copy."""
+    j = torch.arange(length, device=device)
+    blocks = [[torch.zeros(length, length, dtype=torch.bool, device=device)] * k
+              for _ in range(k)]
+    for c in range(k):
+        blocks[c][0] = j[None, :] <= (j[:, None] - c)                    # real tokens 0..j-c
+        for m in range(1, c + 1):                                        # copy m at j-c+m
+            blocks[c][m] = j[None, :] == (j[:, None] - c + m)
+    return torch.cat([torch.cat(row, 1) for row in blocks], 0)
+
+
 def pick_tokens(logits: torch.Tensor, reqs: list[DraftRequest], sample: bool
                 ) -> tuple[list[int], list[torch.Tensor | None]]:
     """A draft per row of logits [N, V] (row i for reqs[i]): the argmax, or with `sample` a

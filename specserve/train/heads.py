@@ -68,6 +68,10 @@ def _init_from(head: nn.Module, method: str, d: Path, target,
     if refresh_vocab:
         trained = _remap_vocab(trained, head.d2t, target.lm_head.weight)
     own = head.state_dict()
+    if "mask_hidden" in own and "mask_hidden" not in trained:   # a chain head becomes P-EAGLE
+        trained = {**trained, "mask_hidden": own["mask_hidden"]}
+    elif getattr(loaded, "mask_token_id", None) is not None:
+        head.mask_token_id = loaded.mask_token_id
     bad = sorted(k for k in own.keys() | trained.keys()
                  if k not in own or k not in trained or own[k].shape != trained[k].shape)
     if bad:
@@ -321,7 +325,9 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
     results = {}
     for m, out in outs.items():
         save_head(m, heads[m], out, target_dir)
-        results[m] = evaluate_tau(target_dir, out, m, k)
+        parallel = getattr(heads[m], "mask_hidden", None) is not None        # P-EAGLE
+        results[m] = evaluate_tau(target_dir, out, m, k,
+                                  extra={"parallel_drafting": True} if parallel else None)
         (out / "quality.json").write_text(json.dumps({"method": m, "k": k, **results[m],
                                                       "train_steps": cfg.steps}, indent=2) + "\n")
     return results

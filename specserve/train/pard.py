@@ -18,31 +18,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from specserve.data.corpus import Corpus
-from specserve.methods.parallel import unused_token
+from specserve.methods.parallel import pard_mask, unused_token
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model
 from specserve.train.generated import GeneratedData, with_generated
 from specserve.train.heads import evaluate_tau
 from specserve.train.lm import _setup, prepare_data, train_and_export
 from specserve.train.trainer import LossFn, TrainConfig, _positions
-
-
-def pard_mask(length: int, k: int, device: torch.device | None = None) -> torch.Tensor:
-    """[k * length, k * length] bool, True = may attend, for a sequence of `length` real tokens
-    followed by k-1 mask copies (row c * length + j = copy c at position j)."""
-    j = torch.arange(length, device=device)
-    blocks = [[torch.zeros(length, length, dtype=torch.bool, device=device)] * k
-              for _ in range(k)]
-    for c in range(k):
-        blocks[c][0] = j[None, :] <= (j[:, None] - c)                    # real tokens 0..j-c
-        for m in range(1, c + 1):                                        # copy m at j-c+m
-            blocks[c][m] = j[None, :] == (j[:, None] - c + m)
-    return torch.cat([torch.cat(row, 1) for row in blocks], 0)
 
 
 def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_id: int,

@@ -14,7 +14,8 @@ Stages (each resumes from its checkpoint in `<work>/`):
    stage-1 draft and heads fine-tuned for that target (`retarget`, `RETARGET_*`), EAGLE-3 then
    seven times more on more greedy text (`RETARGET_EAGLE3_MORE`);
 7. models/code-draft-pard: that draft adapted to parallel drafting (`PARD_STAGES`);
-8. models/code-target-dflash: a DFlash drafter for that target (`DFLASH_STAGES`).
+8. models/code-target-dflash: a DFlash drafter for that target (`DFLASH_STAGES`);
+9. models/code-target-eagle3-parallel: the EAGLE-3 head made P-EAGLE (`PEAGLE_STAGES`).
 """
 
 from __future__ import annotations
@@ -236,6 +237,34 @@ def build_dflash(out: Path, work: Path, **kw) -> bool:
     return True
 
 
+# The P-EAGLE head: the bundled EAGLE-3 head fine-tuned to draft PEAGLE_K tokens in one pass
+# (K-1 mask copies in training, `eagle3.parallel_drafts`), at half the heads' learning rate on
+# windows of 256 tokens (the copies multiply the attention's rows by K).
+PEAGLE_K = 8
+PEAGLE_STAGES: list[tuple[int, GeneratedData]] = [(1200, GREEDY)]
+
+
+def peagle_config(work: Path, steps: int, **kw) -> TrainConfig:
+    return TrainConfig(work_dir=str(work / "code-target-eagle3-parallel"), steps=steps,
+                       batch_size=4, seq_len=256, lr=HEAD_LR / 2, warmup=20,
+                       eval_every=100_000, ckpt_every=50, **kw)
+
+
+def build_peagle(out: Path, work: Path, **kw) -> bool:
+    """`<out>/code-target-eagle3-parallel` from `<out>/code-target-eagle3`; False when stopped
+    on the time limit (run again to resume)."""
+    target = out / "code-target"
+    e3 = Path(head_dir(target, "eagle3"))
+    for steps, gen in PEAGLE_STAGES:
+        results = train_heads({"eagle3": Path(f"{e3}-parallel")}, peagle_config(work, steps, **kw),
+                              target, k=PEAGLE_K, gen=gen, inits={"eagle3": e3},
+                              head_options={"parallel": True}, **HEAD_RECIPES[("eagle3",)][1])
+        if not all(results.values()):
+            return False
+        _report(results, target, f"P-EAGLE, {steps} steps")
+    return True
+
+
 def _report(results: dict[str, dict], target: Path, stage: str) -> None:
     for m, result in results.items():
         done = f"tau {result['tau']:.2f}" if "tau" in result else result["skipped"]
@@ -283,7 +312,8 @@ def build_zoo(out: str = "models", work: str = "runs", max_minutes: float | None
     if not retarget(out_dir, work_dir, stage1, **kw):
         return
     bpb = build_pard(out_dir, work_dir, **kw)
-    if bpb != bpb or not build_dflash(out_dir, work_dir, **kw):
+    if bpb != bpb or not build_dflash(out_dir, work_dir, **kw) or not build_peagle(
+            out_dir, work_dir, **kw):
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "MANIFEST").write_text(manifest(out_dir))
@@ -296,6 +326,7 @@ MANIFEST_STAGES = {
     "code-draft": "draft: DRAFT_STAGES, then retarget (RETARGET_DRAFT)",
     "code-draft-pard": "parallel draft: code-draft adapted by PARD_STAGES (train pard, K = 8)",
     "code-target-dflash": "dflash drafter: DFLASH_STAGES (3 layers, blocks of 8)",
+    "code-target-eagle3-parallel": "P-EAGLE head: code-target-eagle3 by PEAGLE_STAGES (K = 8)",
     "code-target-eagle3": "eagle3 head: HEAD_RECIPES, retarget, RETARGET_EAGLE3_MORE",
     "code-target-eagle": "eagle head: HEAD_RECIPES, retarget",
     "code-target-medusa": "medusa head: HEAD_RECIPES, retarget",

@@ -116,7 +116,7 @@ def test_a_draft_without_a_mask_token_and_other_methods_are_refused(llama_dir, d
 def test_the_training_layout_is_what_inference_sees(tmp_path):
     """Row (copy c, position j) of the PARD training pass equals the last row of a causal pass
     over x[0..j-c] followed by c masks: the layout teaches what inference asks."""
-    from specserve.train.pard import pard_mask
+    from specserve.methods.parallel import pard_mask
     make_hf_model("llama", tmp_path / "m", seed=7)
     model = load_model(tmp_path / "m", torch.float32, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)

@@ -109,6 +109,37 @@ def test_train_dflash_takes_its_block_size_and_layers(tiny_lm, small_corpus, tmp
               "--block-size", "4"])
 
 
+def test_train_a_peagle_head_from_a_chain_head(tiny_lm, small_corpus, tmp_path):
+    """--parallel --init CHAIN: the chain head's weights carry over, the mask state is new,
+    the loss falls, and the result drafts with parallel_drafting losslessly."""
+    from specserve.train.heads import train_head
+    target, _, _ = tiny_lm
+    gen = GeneratedData(num_generated=2, generated_len=16)
+
+    def cfg(work: str, steps: int) -> TrainConfig:
+        return TrainConfig(work_dir=str(tmp_path / work), steps=steps, batch_size=4, seq_len=48,
+                           lr=3e-3, warmup=2, eval_every=steps, bf16=False, device=DEVICE)
+
+    train_head("eagle3", cfg("chain", 4), target, tmp_path / "chain", k=3, gen=gen,
+               corpus=small_corpus)
+    result = train_head("eagle3", cfg("parallel", 20), target, tmp_path / "pe", k=4, gen=gen,
+                        corpus=small_corpus, init=tmp_path / "chain",
+                        head_options={"parallel": True})
+    written = load_file(str(tmp_path / "pe" / "model.safetensors"))
+    chain = load_file(str(tmp_path / "chain" / "model.safetensors"))
+    assert written["mask_hidden"].shape == (1, chain["fc.weight"].shape[1])
+    assert json.loads((tmp_path / "pe" / "config.json").read_text())["mask_token_id"] >= 3
+    log = [json.loads(x) for x in (tmp_path / "parallel" / "train_log.jsonl").read_text().splitlines()]
+    assert sum(r["loss"] for r in log[-3:]) < sum(r["loss"] for r in log[:3])
+    assert 1.0 <= result["tau"] <= 5.0 and len(result["per_position"]) == 4
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = LLM(str(target), device=DEVICE).generate("def f(x):", sp, use_tqdm=False)
+    got = LLM(str(target), device=DEVICE, speculative_config={
+        "model": str(tmp_path / "pe"), "num_speculative_tokens": 4, "parallel_drafting": True,
+    }).generate("def f(x):", sp, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+
+
 def test_top1_weight_adds_a_cross_entropy_to_the_targets_top_token():
     """--top1-weight: the loss gains that multiple of the cross-entropy to the target's most
     likely token, and fitting free logits to a flat target with it gives that token a wider
