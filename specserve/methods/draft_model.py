@@ -24,13 +24,14 @@ import torch
 from specserve.config import SpeculativeConfig
 from specserve.kernels.cpu import max_rows
 from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
+from specserve.methods.parallel import confident, drafts_from_rows, mask_token_id, pick_tokens
 from specserve.models.loader import load_hf_config, load_model
 from specserve.models.metadata import ragged_inputs
-from specserve.methods.parallel import confident, drafts_from_rows, mask_token_id, pick_tokens
 from specserve.sampling.sampler import greedy_ids
 
 PARD_HINT = ("train one from this draft with `specserve train pard --draft DIR --target DIR "
              "--out DIR`, or leave parallel_drafting off")
+
 
 @dataclass
 class _DraftState:
@@ -125,7 +126,8 @@ class DraftModelProposer(ProposerBase):
         if self.chain is not None and len(reqs) <= max_rows(self.chain.lib):
             first = greedy_ids(logits)
             if self.threshold:          # a first draft below it is the only one
-                budgets = [n if ok else 1 for n, ok in zip(budgets, confident(logits, first, self.threshold))]
+                sure = confident(logits, first, self.threshold)
+                budgets = [n if ok else 1 for n, ok in zip(budgets, sure)]
             drafts = self.chain(first, [r.num_tokens for r in reqs], [r.slot for r in reqs],
                                 budgets, self.threshold)
             active = []
@@ -134,7 +136,8 @@ class DraftModelProposer(ProposerBase):
             for i, t, p in zip(active, toks, ps):
                 drafts[i].append(t)
                 probs[i].append(p)
-            sure = confident(logits, toks, self.threshold) if self.threshold else [True] * len(active)
+            sure = (confident(logits, toks, self.threshold) if self.threshold
+                    else [True] * len(active))
             active = [i for i, ok in zip(active, sure) if ok and len(drafts[i]) < budgets[i]]
             if not active:
                 break

@@ -129,7 +129,8 @@ def test_train_a_peagle_head_from_a_chain_head(tiny_lm, small_corpus, tmp_path):
     chain = load_file(str(tmp_path / "chain" / "model.safetensors"))
     assert written["mask_hidden"].shape == (1, chain["fc.weight"].shape[1])
     assert json.loads((tmp_path / "pe" / "config.json").read_text())["mask_token_id"] >= 3
-    log = [json.loads(x) for x in (tmp_path / "parallel" / "train_log.jsonl").read_text().splitlines()]
+    log = [json.loads(x)
+           for x in (tmp_path / "parallel" / "train_log.jsonl").read_text().splitlines()]
     assert sum(r["loss"] for r in log[-3:]) < sum(r["loss"] for r in log[:3])
     assert 1.0 <= result["tau"] <= 5.0 and len(result["per_position"]) == 4
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
