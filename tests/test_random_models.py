@@ -41,6 +41,10 @@ def test_random_heads_are_built_beside_a_random_target_and_draft(tmp_path):
     spec = "random:hidden=64,layers=4,inter=128,heads=4,kv=2"
     path = random_models.materialize(spec, REPO / "models" / "code-target", root=tmp_path)
     random_models.random_heads(path)
+    random_models.random_pard(path)
+    llm = LLM(path, device=DEVICE, speculative_config={
+        "model": f"{path}-pard", "num_speculative_tokens": 4, "parallel_drafting": True})
+    llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     for name, (method, options) in random_models.RANDOM_HEADS.items():
         llm = LLM(path, device=DEVICE, speculative_config={
             "model": f"{path}-{name}", "num_speculative_tokens": 4,

@@ -4,8 +4,8 @@ A step of a 0.5B-8B model reads more weight bytes than any cache holds, so a ver
 few rows costs about what a one-row step does. `--target random:llama-3.2-1b` (or
 `random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D]`) builds such a model once under
 runs/random/ with the bundled tokenizer's vocabulary, in the Llama format the engine loads,
-with random heads of the methods in RANDOM_HEADS beside it (where the benchmarks look for a
-target's heads); its text is noise, so benchmarks pair it with
+with random heads of the methods in RANDOM_HEADS and a PARD version beside it (where the
+benchmarks look for them); its text is noise, so benchmarks pair it with
 `rejection_sample_method: synthetic`.
 """
 
@@ -131,11 +131,26 @@ def random_heads(target_dir: str, seed: int = 0) -> None:
         spec.write(head, Path(head_dir(target_dir, name)), Path(target_dir), torch.bfloat16)
 
 
+def random_pard(model_dir: str) -> None:
+    """`<model_dir>-pard`: the random model as a PARD draft (its files linked, a mask token in
+    its config.json), where the benchmarks look for a draft's parallel version."""
+    out = Path(f"{model_dir}-pard")
+    if (out / "config.json").is_file():
+        return
+    out.mkdir(exist_ok=True)
+    for f in Path(model_dir).iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    cfg = json.loads((Path(model_dir) / "config.json").read_text()) | {"pard_token": 3}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def resolve(path: str, tokenizer_dir: str | Path) -> str:
-    """A model directory for `path`: itself, or the built random model (and its random heads)
-    for `random:...`."""
+    """A model directory for `path`: itself, or the built random model (with its random heads
+    and its PARD version) for `random:...`."""
     if not path.startswith(PREFIX):
         return path
     out = materialize(path, tokenizer_dir)
     random_heads(out)
+    random_pard(out)
     return out
