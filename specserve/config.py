@@ -51,6 +51,9 @@ class ModelConfig:
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: run every step eagerly instead of replaying CUDA graphs captured for "
                 "decode, verify and draft-chain steps (vLLM's flag)"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the target's layers are split over (Megatron-style, one process per "
+                "rank, gloo on the CPU), each with its share of the threads"})
     freeze_gc: bool = field(default=False, metadata={
         "help": "move everything alive once the engine is built (models, caches, tokenizer) "
                 "out of Python's garbage collector (gc.freeze), so that its collections during "
@@ -62,6 +65,8 @@ class ModelConfig:
         resolve_device(self.device)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
 
 
 @dataclass
@@ -140,7 +145,9 @@ class SpeculativeConfig:
         "help": "suffix: draft length <= factor x match length"})
     suffix_decoding_min_token_prob: float = field(default=0.1, metadata={
         "help": "suffix: stop drafting below this running probability"})
-    draft_tensor_parallel_size: int = field(default=1, metadata={"help": "must be 1 here"})
+    draft_tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks of the drafter: 1 (it runs on rank 0 beside the sharded target, vLLM's "
+                "advice) or the target's tensor_parallel_size"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "the drafter's context: past it a request decodes on without drafts; at most "
                 "the target's and the drafter's own (default: the drafter's)"})
@@ -227,9 +234,9 @@ class SpeculativeConfig:
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError("suffix_decoding_min_token_prob must be in [0, 1], got "
                              f"{self.suffix_decoding_min_token_prob}")
-        if self.draft_tensor_parallel_size != 1:
-            raise ValueError("draft_tensor_parallel_size must be 1: specserve runs the draft "
-                             "on one device")
+        if self.draft_tensor_parallel_size < 1:
+            raise ValueError("draft_tensor_parallel_size must be >= 1, got "
+                             f"{self.draft_tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"speculative max_model_len must be >= 2, got {self.max_model_len}")
         if self.rejection_sample_method == "standard":

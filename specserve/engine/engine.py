@@ -15,11 +15,14 @@ from specserve.engine.adaptive_k import AdaptiveK
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.engine.tensor_parallel import TensorParallel
 from specserve.kv_cache import KVCache
 from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
 from specserve.metrics import SpecDecodingStats
 from specserve.models.backend import Backend
+from specserve.models.llama import LlamaArgs
 from specserve.models.loader import load_hf_config, load_model, read_json
+from specserve.models.tensor_parallel import check_divisible
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.sampling.sampler import token_logprobs
@@ -49,8 +52,8 @@ def make_kv_cache(model: torch.nn.Module, num_slots: int, max_len: int,
                   scratch_slot: bool = False) -> KVCache:
     a = model.args
     p = next(model.parameters())
-    return KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads, max_len, a.head_dim,
-                   p.dtype, p.device, scratch_slot)
+    return KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads // model.tp_size,
+                   max_len, a.head_dim, p.dtype, p.device, scratch_slot)
 
 
 class LLMEngine:
@@ -68,16 +71,21 @@ class LLMEngine:
         self.tokenizer = Tokenizer(mc.model) if (Path(mc.model) / "tokenizer.json").is_file() else None
         self.backend = Backend(self.device, self.dtype, mc.cpu_kernel,
                                cuda_graphs=self.device.type == "cuda" and not mc.enforce_eager)
-        self.model = self.backend.prepare(
-            load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len))
+        sc = config.scheduler_config
+        self.spec = config.speculative_config
+        self.tp = self._tensor_parallel(mc, sc, hf)
+        if self.tp is not None:
+            self.model = self.tp.load()
+        else:
+            self.model = self.backend.prepare(
+                load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len))
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = _eos_ids(mc.model, hf, self.tokenizer)
-        sc = config.scheduler_config
         self.cache = make_kv_cache(self.model, sc.max_num_seqs, self.max_model_len,
                                    self.backend.cuda_graphs)
         self.runner = ModelRunner(self.model, self.cache, self.device,
-                                  self.backend.graphs(self.model, self.cache, sc.max_num_seqs))
-        self.spec = config.speculative_config
+                                  self.backend.graphs(self.model, self.cache, sc.max_num_seqs),
+                                  self.tp)
         self.proposer: Proposer | None = None
         caches = [self.cache]
         # The drafter's context (speculative max_model_len, a draft model's own): past it a
@@ -111,6 +119,33 @@ class LLMEngine:
         if mc.freeze_gc:        # opt-in: it is process-wide (see ModelConfig.freeze_gc)
             gc.collect()
             gc.freeze()
+
+    def _tensor_parallel(self, mc, sc, hf: dict) -> TensorParallel | None:
+        """The worker processes of tensor_parallel_size > 1 (checked first: a size that cannot
+        split the model fails before any process starts), else None."""
+        size = mc.tensor_parallel_size
+        draft_size = self.spec.draft_tensor_parallel_size if self.spec else 1
+        if draft_size not in (1, size):
+            raise ValueError(f"draft_tensor_parallel_size={draft_size} must be 1 or equal to "
+                             f"tensor_parallel_size={size} (vLLM's rule)")
+        if draft_size > 1:
+            raise ValueError(f"draft_tensor_parallel_size={draft_size} (a sharded drafter) is "
+                             "not supported; use 1: the drafter runs whole on rank 0 beside "
+                             "the sharded target (vLLM's advice for EAGLE drafters)")
+        if size == 1:
+            return None
+        if self.device.type != "cpu":
+            raise ValueError(f"tensor_parallel_size={size} runs on the CPU (gloo) only; on "
+                             f"{self.device.type} use tensor_parallel_size=1")
+        check_divisible(LlamaArgs.from_hf_config(hf, str(Path(mc.model) / "config.json")),
+                        size)
+        return TensorParallel(mc.model, size, mc.dtype, self.max_model_len, sc.max_num_seqs,
+                              mc.cpu_kernel)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done when the engine is collected)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _draft_max_len(self, given: int | None, drafter: int | None) -> int | None:
         """speculative max_model_len: at most the target's and the drafter's own (vLLM's

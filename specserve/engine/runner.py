@@ -11,19 +11,21 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.scheduler import ScheduledRequest
+from specserve.engine.tensor_parallel import TensorParallel
 from specserve.kv_cache import KVCache
 from specserve.methods import RunnerOutput
 from specserve.models.cuda_graphs import CudaGraphs
-from specserve.models.metadata import build_metadata, build_tree_metadata, tree_rows
+from specserve.models.metadata import step_inputs, tree_rows
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device,
-                 graphs: CudaGraphs | None = None) -> None:
+                 graphs: CudaGraphs | None = None, tp: TensorParallel | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
         self.graphs = graphs                      # few-row steps replayed on CUDA
+        self.tp = tp                              # the other ranks run each step's shards
         self.aux_layers: tuple[int, ...] = ()     # set by the engine for EAGLE-3 proposers
 
     @torch.inference_mode()
@@ -48,17 +50,13 @@ class ModelRunner:
             if len(sample_rows) != len(ids):
                 logits = logits[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
             return RunnerOutput(logits, hidden, aux, cu, starts)
-        if tree:
-            rows = [tree_rows(s, b.num_new_tokens - b.num_spec_tokens,
-                              b.request.spec_parents if b.num_spec_tokens else None,
-                              b.num_spec_tokens) for s, b in zip(starts, batch)]
-            md = build_tree_metadata(slots, [r[0] for r in rows], [r[2] for r in rows],
-                                     [r[3] for r in rows], self.device)
-            positions = torch.tensor([p for r in rows for p in r[1]], dtype=torch.long,
-                                     device=self.device)
-        else:
-            md, positions = build_metadata(starts, lens, slots, self.device)
-        token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        step = {"ids": ids, "starts": starts, "lens": lens, "slots": slots, "tree": [
+            tree_rows(s, b.num_new_tokens - b.num_spec_tokens,
+                      b.request.spec_parents if b.num_spec_tokens else None, b.num_spec_tokens)
+            for s, b in zip(starts, batch)] if tree else None}
+        if self.tp is not None:
+            self.tp.run(step)
+        token_ids, positions, md = step_inputs(step, self.device)
         aux = None
         if self.aux_layers:
             hidden, aux = self.model(token_ids, positions, md, self.cache.layers,

@@ -325,7 +325,9 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
                 setattr(module, name, DecodeLinear(child, lib, bf16_inputs))
     if lib is not None:
         for module in model.modules():
-            if hasattr(module, "cpu_layer") and CpuLayer.supports(module):
+            # a tensor-parallel shard all-reduces inside the layer: the C call cannot
+            if (hasattr(module, "cpu_layer") and getattr(module, "tp_group", None) is None
+                    and CpuLayer.supports(module)):
                 module.cpu_layer = CpuLayer(module, lib)
             elif isinstance(module, RMSNorm) and module.weight.is_contiguous():
                 module.lib = lib

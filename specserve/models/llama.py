@@ -116,14 +116,22 @@ class DecoderLayer(nn.Module):
         # Set by use_decode_linears on float32 CPU inference models: runs cached steps of up
         # to max_rows(lib) rows in compiled code (kernels/cpu).
         self.cpu_layer = None
+        # A torch.distributed process group when this layer holds one rank's shard
+        # (models/tensor_parallel.py): the attention and MLP outputs are partial sums.
+        self.tp_group = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 md: AttentionMetadata | None, cache, mask: torch.Tensor | None = None
                 ) -> torch.Tensor:
         if self.cpu_layer is not None and kernel_step(md, x, self.cpu_layer.lib):
             return self.cpu_layer(x, cos_sin, md, cache)
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, md, cache, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._reduced(self.self_attn(self.input_layernorm(x), cos_sin, md, cache, mask))
+        return x + self._reduced(self.mlp(self.post_attention_layernorm(x)))
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is not None:
+            self.tp_group.allreduce([partial]).wait()
+        return partial
 
 
 class LlamaForCausalLM(nn.Module):
@@ -141,6 +149,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(args.head_dim, max_len or args.max_position_embeddings,
                              args.rope_theta, args.rope_scaling)
         self.cpu_forward = None         # see kernel_forward
+        self.tp_size = 1                # ranks its layers are sharded over (tensor_parallel)
 
     def kernel_forward(self) -> LlamaForward | None:
         """The whole cached step in compiled code, for use_decode_linears to set as

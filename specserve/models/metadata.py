@@ -88,3 +88,19 @@ def ragged_inputs(token_lists: list[list[int]], starts: list[int], slots: list[i
     md, positions = build_metadata(starts, [len(t) for t in token_lists], slots, device)
     ids = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.long, device=device)
     return ids, positions, md
+
+
+def step_inputs(step: dict, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Token ids [T], rotary positions [T] and attention metadata of a step described by plain
+    lists (`ids`, `starts`, `lens`, `slots`, and `tree`: per request (store, rope, ctx, extra)
+    of `tree_rows`, or None): what the runner and tensor-parallel workers both build."""
+    if step["tree"] is not None:
+        rows = step["tree"]
+        md = build_tree_metadata(step["slots"], [r[0] for r in rows], [r[2] for r in rows],
+                                 [r[3] for r in rows], device)
+        positions = torch.tensor([p for r in rows for p in r[1]], dtype=torch.long,
+                                 device=device)
+    else:
+        md, positions = build_metadata(step["starts"], step["lens"], step["slots"], device)
+    return torch.tensor(step["ids"], dtype=torch.long, device=device), positions, md
