@@ -107,8 +107,9 @@ CASES = {
     "hidden_states_max_bytes": (lambda p: _extract(p, "a"),
                                 lambda p: _extract(p, "b") | {"hidden_states_max_bytes": 1}, {}),
 }
-# keys whose only valid value is the default: any other is refused
-REFUSED = {"draft_tensor_parallel_size": (2, "draft_tensor_parallel_size must be 1"),
+# keys whose only valid value here is the default: others are refused (draft_tensor_parallel_size
+# may also equal the target's tensor_parallel_size: tests/engine/test_tensor_parallel.py)
+REFUSED = {"draft_tensor_parallel_size": (0, "draft_tensor_parallel_size must be >= 1"),
            # what it does (where the files go) is tested in tests/train/test_heads.py
            "hidden_states_dir": ("d", "applies to method 'extract_hidden_states' only")}
 

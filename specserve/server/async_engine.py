@@ -53,6 +53,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self.engine.close()                   # tensor-parallel workers
 
     @property
     def alive(self) -> bool:
