@@ -93,6 +93,9 @@ def main(argv: list[str]) -> None:
                    help="also run no-spec without the compiled CPU kernel (cpu_kernel=False)")
     p.add_argument("--eager", action="store_true",
                    help="also run no-spec without CUDA graphs (enforce_eager; --device cuda)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="N > 1: also run no-spec with the target split over N ranks (one process "
+                        "each, the threads shared out), beside one rank")
     p.add_argument("--title", default="Offline latency: specserve methods and transformers")
     report.add_output_args(p)
     a = p.parse_args(argv)
@@ -117,6 +120,11 @@ def main(argv: list[str]) -> None:
             if a.eager:
                 runners.append(SpecserveRunner("specserve no-spec, eager", a.target, None, dtype,
                                                device=dev, enforce_eager=True))
+            if a.tensor_parallel_size > 1:
+                tp = a.tensor_parallel_size
+                runners.append(SpecserveRunner(f"specserve no-spec, tensor parallel {tp}",
+                                               a.target, None, dtype, device=dev,
+                                               tensor_parallel_size=tp))
             for d in dtypes:                  # the first dtype unnamed; each further one named
                 tag = "" if d == dtype else f", {d}"
                 if tag:

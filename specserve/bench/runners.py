@@ -40,12 +40,12 @@ class Result:
 
 class SpecserveRunner:
     def __init__(self, name: str, target: str, spec: dict | None, dtype: str,
-                 cpu_kernel: bool = True, device: str = "cpu", enforce_eager: bool = False
-                 ) -> None:
+                 cpu_kernel: bool = True, device: str = "cpu", enforce_eager: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
         self.name = name
         self.llm = LLM(target, speculative_config=spec, dtype=dtype, device=device, freeze_gc=True,
                        max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel,
-                       enforce_eager=enforce_eager)
+                       enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size)
         self.spec, self.dtype = spec, dtype
         self.tpots: list[float] = []        # ms per decoded token of each request this round
 

@@ -13,6 +13,7 @@ garbage-collected or its process exits (they are daemons), and on Ctrl-C with it
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -136,7 +137,6 @@ class TensorParallel:
                         for rank in range(1, size)]
         for w in self.workers:
             w.start()
-        torch.set_num_threads(threads)
         self._groups: list = []                        # the group, once joined
         self._stopper = weakref.finalize(self, _stop, self._groups, self.workers)
 
@@ -150,12 +150,20 @@ class TensorParallel:
         self._wait(group.allreduce([torch.zeros(1)]), "sharding the model")
         return model
 
-    def run(self, step: dict) -> None:
-        """Send a step (see `step_inputs`) to the workers; rank 0 then runs its own shard."""
+    @contextlib.contextmanager
+    def step(self, step: dict):
+        """Send a step (see `step_inputs`) to the workers; rank 0 runs its own shard inside
+        the block, with its share of the threads (the process's other work keeps them all)."""
         group, data = self._groups[0], json.dumps(step).encode()
         self._wait(group.broadcast(torch.tensor([len(data)]), 0), "a step")
         self._wait(group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0),
                    "a step")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.args.threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def _wait(self, work, doing: str) -> None:
         """Wait for a collective, failing (not hanging) when a worker has died."""
