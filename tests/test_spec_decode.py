@@ -39,6 +39,25 @@ def _greedy(max_tokens=30, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
+def assert_lossless_alone_and_mixed(target, spec: dict, num_prompts: int = 8,
+                                    max_model_len: int = 96) -> dict:
+    """Greedy output with `spec` equals the target's alone and in a mixed batch (prompts
+    chunked 24 tokens a step, continuous batching over 4 slots), and drafts were made; returns
+    the stats."""
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(num_prompts, seed=3)]
+    base = LLM(str(target), device=DEVICE, max_model_len=max_model_len, max_num_seqs=4)
+    ref = [o.outputs[0].token_ids for o in base.generate(ps, _greedy(40), use_tqdm=False)]
+    llm = LLM(str(target), device=DEVICE, max_model_len=max_model_len, max_num_seqs=4,
+              max_num_batched_tokens=24, speculative_config=spec)
+    alone = [llm.generate(p, _greedy(40), use_tqdm=False)[0].outputs[0].token_ids
+             for p in ps[:2]]
+    mixed = [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(40), use_tqdm=False)]
+    assert alone == ref[:2] and mixed == ref
+    m = llm.get_stats()
+    assert m["spec_decode_num_draft_tokens"] > m["spec_decode_num_drafts"] > 0
+    return m
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "hybrid"])
 def test_greedy_equality_batch_1(method, llama_dir, draft_dir):
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4, seed=1)]

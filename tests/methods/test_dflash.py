@@ -22,6 +22,7 @@ from tests.test_spec_decode import (
     _exact_pair_distribution,
     _greedy,
     _token_hist,
+    assert_lossless_alone_and_mixed,
     repetitive_prompts,
     small_vocab_pair,  # noqa: F401  (a fixture)
 )
@@ -56,18 +57,7 @@ def _spec(path, k: int | None = None, **kw) -> dict:
 
 @pytest.mark.parametrize("k", [4, 8, 15])
 def test_greedy_output_is_the_targets_alone_and_in_mixed_batches(llama_dir, dflash_dir, k):
-    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(8, seed=3)]
-    base = LLM(str(llama_dir), device=DEVICE, max_model_len=96, max_num_seqs=4)
-    ref = [o.outputs[0].token_ids for o in base.generate(ps, _greedy(40), use_tqdm=False)]
-    # chunked prompts (24 tokens a step) and continuous batching of 8 requests over 4 slots
-    llm = LLM(str(llama_dir), device=DEVICE, max_model_len=96, max_num_seqs=4,
-              max_num_batched_tokens=24, speculative_config=_spec(dflash_dir, k))
-    alone = [llm.generate(p, _greedy(40), use_tqdm=False)[0].outputs[0].token_ids
-             for p in ps[:2]]
-    mixed = [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(40), use_tqdm=False)]
-    assert alone == ref[:2] and mixed == ref
-    m = llm.get_stats()
-    assert m["spec_decode_num_draft_tokens"] > m["spec_decode_num_drafts"] > 0
+    m = assert_lossless_alone_and_mixed(llama_dir, _spec(dflash_dir, k))
     assert m["spec_decode_num_accepted_tokens"] > 0
 
 

@@ -18,6 +18,7 @@ from tests.test_spec_decode import (
     _exact_pair_distribution,
     _greedy,
     _token_hist,
+    assert_lossless_alone_and_mixed,
     repetitive_prompts,
     small_vocab_pair,  # noqa: F401  (a fixture)
 )
@@ -43,17 +44,8 @@ def _spec(path, k: int, **kw) -> dict:
 
 @pytest.mark.parametrize("k", [2, 4, 8])
 def test_greedy_output_is_the_targets_alone_and_in_mixed_batches(llama_dir, pard_dir, k):
-    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(10, seed=3)]
-    base = LLM(str(llama_dir), device=DEVICE, max_model_len=80, max_num_seqs=4)
-    ref = [o.outputs[0].token_ids for o in base.generate(ps, _greedy(40), use_tqdm=False)]
-    llm = LLM(str(llama_dir), device=DEVICE, max_model_len=80, max_num_seqs=4,
-              max_num_batched_tokens=24, speculative_config=_spec(pard_dir, k))
-    alone = [llm.generate(p, _greedy(40), use_tqdm=False)[0].outputs[0].token_ids
-             for p in ps[:3]]
-    mixed = [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(40), use_tqdm=False)]
-    assert alone == ref[:3] and mixed == ref
-    m = llm.get_stats()
-    assert m["spec_decode_num_draft_tokens"] > m["spec_decode_num_drafts"] > 0
+    assert_lossless_alone_and_mixed(llama_dir, _spec(pard_dir, k), num_prompts=10,
+                                    max_model_len=80)
 
 
 def test_one_draft_pass_per_step_and_the_masks_kv_is_never_context(llama_dir, pard_dir):
@@ -108,7 +100,7 @@ def test_a_draft_without_a_mask_token_and_other_methods_are_refused(llama_dir, d
         LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(draft_dir, 4))
     for spec in ({"method": "ngram", "num_speculative_tokens": 3},
                  {"method": "suffix", "num_speculative_tokens": 3}):
-        with pytest.raises(ValueError, match="parallel_drafting applies to draft_model, dflash, not"):
+        with pytest.raises(ValueError, match="parallel_drafting applies to draft_model, eagle3, dflash, not"):
             LLM(str(llama_dir), device=DEVICE, speculative_config=spec | {
                 "parallel_drafting": True})
 
