@@ -161,15 +161,13 @@ class HeadProposer(ProposerBase):
         budget-1 mask rows; its last pair's row and its mask rows draft."""
         masks = {id(r): n - 1 for r, n in zip(drafting, budgets)}
         mask_state = self.head.mask_state()                                   # [1, H]
-        toks, states, rows, lo = [], [], {}, 0
+        toks, states, rows, lo, n = [], [], {}, 0, 0     # n: rows so far, pairs and masks
         for r, ts in zip(reqs, tokens):
             m = masks.get(id(r), 0)
             toks.append(ts + [self.head.mask_token_id] * m)
-            states.append(h[lo:lo + len(ts)])
-            states.append(mask_state.expand(m, -1))
-            end = sum(map(len, toks)) - m - 1                     # its last pair's row
-            rows[id(r)] = range(end, end + m + 1)
-            lo += len(ts)
+            states += [h[lo:lo + len(ts)], mask_state.expand(m, -1)]
+            lo, n = lo + len(ts), n + len(ts) + m
+            rows[id(r)] = range(n - m - 1, n)                     # its last pair, its masks
         out = self._run(reqs, toks, torch.cat(states), starts)               # [T + masks, H]
         picks = torch.tensor([i for r in drafting for i in rows[id(r)]], device=self.device)
         logits = self.head.logits(out[picks]).float()                        # [sum(budgets), V]
