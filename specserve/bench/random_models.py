@@ -123,7 +123,9 @@ def random_heads(target_dir: str, seed: int = 0) -> None:
     for name in todo:
         method, options = RANDOM_HEADS[name]
         spec = methods.get(method)
-        head = spec.new_head(target, 4, None, counts, **options)
+        # EAGLE-3 over a quarter of the vocabulary, as published heads are (32k of 128k)
+        draft_vocab = target.args.vocab_size // 4 if method == "eagle3" else None
+        head = spec.new_head(target, 4, draft_vocab, counts, **options)
         with torch.no_grad():
             for param_name, p in head.named_parameters():
                 if p.dim() >= 2 and not param_name.startswith(("embed_tokens.", "lm_head.")):
