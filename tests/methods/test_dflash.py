@@ -74,11 +74,10 @@ def test_drafting_paused_or_shortened_keeps_output(llama_dir, dflash_dir, extra)
     assert llm.get_stats()["spec_decode_num_drafts"] > 0
 
 
-def test_a_trained_drafter_is_lossless_and_accepts(tmp_path):
+def test_the_bundled_drafter_is_lossless_and_accepts():
     """The bundled drafter on the bundled target: greedy output unchanged, most steps gain."""
-    target, drafter = Path("models/code-target"), Path("models/code-target-dflash")
-    if not drafter.is_dir():
-        pytest.fail("models/code-target-dflash is missing: run `specserve zoo build`")
+    from tests.train.conftest import REPO
+    target, drafter = REPO / "models" / "code-target", REPO / "models" / "code-target-dflash"
     prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n"]
     sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in LLM(str(target), device=DEVICE).generate(
