@@ -39,6 +39,9 @@ from specserve.models.metadata import build_tree_metadata
 
 DEFAULT_BLOCK_SIZE = 8
 DEFAULT_NUM_LAYERS = 2
+# Blocks per training window by default: every anchor trains block_size - 1 drafts, and the
+# logits of them all are held at once (32 x 7 rows x 8192 x 4 bytes = 7 MB per window at B = 8).
+NUM_ANCHORS = 32
 TRAIN_HINT = "train one for this target with `specserve train dflash --target DIR --out DIR`"
 
 
@@ -61,6 +64,7 @@ class DFlashDrafter(nn.Module):
         self.embed_tokens, self.lm_head = embed, lm_head
         self.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta,
                              args.rope_scaling)
+        self.num_anchors = NUM_ANCHORS      # training: blocks per window (`loss`)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -134,10 +138,10 @@ def loss_weights(block_size: int) -> torch.Tensor:
 
 def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
              token_counts: np.ndarray | None = None, block_size: int | None = None,
-             num_layers: int | None = None) -> DFlashDrafter:
+             num_layers: int | None = None, num_anchors: int = NUM_ANCHORS) -> DFlashDrafter:
     """A fresh drafter of `num_layers` target-wide Qwen3 layers for blocks of `block_size`
     (default: K + 1, at least DEFAULT_BLOCK_SIZE); its mask token is the lowest id unused in
-    `token_counts`."""
+    `token_counts`; `num_anchors`: blocks per training window (`loss`)."""
     a = target.args
     n = num_layers or DEFAULT_NUM_LAYERS
     block = block_size or max(k + 1, DEFAULT_BLOCK_SIZE)
@@ -149,8 +153,10 @@ def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
     mask = first_unused(token_counts)
     args = dataclasses.replace(layer_args(a), architecture="Qwen3ForCausalLM", qk_norm=True,
                                num_hidden_layers=n)
-    return DFlashDrafter(args, default_layer_ids(a.num_hidden_layers, n), a.hidden_size, block,
-                         mask, target.embed_tokens, target.lm_head)
+    drafter = DFlashDrafter(args, default_layer_ids(a.num_hidden_layers, n), a.hidden_size,
+                            block, mask, target.embed_tokens, target.lm_head)
+    drafter.num_anchors = num_anchors
+    return drafter
 
 
 def _config(path: Path) -> dict:
@@ -223,11 +229,6 @@ def write(drafter: DFlashDrafter, out: Path, target_dir: Path, dtype: torch.dtyp
     write_head(out, cfg, tensors, dtype)
 
 
-# Blocks per training sequence: every anchor trains block_size - 1 drafts, and the logits of
-# them all are held at once (32 x 7 rows x 8192 x 4 bytes = 7 MB per sequence at B = 8).
-NUM_ANCHORS = 32
-
-
 def anchors_of(x: torch.Tensor, block_size: int, num: int) -> torch.Tensor:
     """[B, A] distinct random block starts in 1..S-block_size per row of x [B, S] (at least one
     context position before each). The draw is seeded by the batch's tokens, so a resumed run
@@ -246,7 +247,7 @@ def loss(drafter: DFlashDrafter, x, pos, h, aux, logp, k: int, distill):
     there), weighted by `loss_weights`. Blocks start at random anchors; a block sees the
     context strictly before its anchor and its own rows, not other blocks."""
     Bk = drafter.block_size
-    anchors = anchors_of(x, Bk, NUM_ANCHORS)                                 # [B, A]
+    anchors = anchors_of(x, Bk, drafter.num_anchors)                         # [B, A]
     B, A = anchors.shape
     steps = torch.arange(Bk, device=x.device)
     blocks = torch.full((B, A, Bk), drafter.mask_token_id, dtype=torch.long, device=x.device)

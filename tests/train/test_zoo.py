@@ -71,7 +71,7 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
 
     monkeypatch.setattr(zoo, "train_heads", heads)
     zoo.build_zoo(str(tmp_path / "models"), str(tmp_path / "work"))
-    late = [s for s, _ in zoo.DFLASH_STAGES] + [s for s, _ in zoo.PEAGLE_STAGES]
+    late = [s for s, _, _ in zoo.DFLASH_STAGES] + [s for s, _ in zoo.PEAGLE_STAGES]
     assert calls == ([s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st]
                      + [s for s, _ in zoo.RETARGET_HEADS.values()]
                      + [s.steps for s in zoo.RETARGET_EAGLE3_MORE] + late)
