@@ -118,6 +118,10 @@ def _stop(groups: list, workers: list) -> None:
             w.join()
 
 
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker process is gone; the engine cannot go on."""
+
+
 class TensorParallel:
     """Rank 0's side: starts the workers, holds the group, sends each step."""
 
@@ -147,7 +151,7 @@ class TensorParallel:
         self._poll(lambda: self.store.check(keys), "loading the model")
         model, group = _shard(self.args, 0, model, self.store)
         self._groups.append(group)
-        self._wait(group.allreduce([torch.zeros(1)]), "sharding the model")
+        self._collective(lambda: group.allreduce([torch.zeros(1)]), "sharding the model")
         return model
 
     @contextlib.contextmanager
@@ -155,9 +159,9 @@ class TensorParallel:
         """Send a step (see `step_inputs`) to the workers; rank 0 runs its own shard inside
         the block, with its share of the threads (the process's other work keeps them all)."""
         group, data = self._groups[0], json.dumps(step).encode()
-        self._wait(group.broadcast(torch.tensor([len(data)]), 0), "a step")
-        self._wait(group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0),
-                   "a step")
+        self._collective(lambda: group.broadcast(torch.tensor([len(data)]), 0), "a step")
+        self._collective(lambda: group.broadcast(
+            torch.frombuffer(bytearray(data), dtype=torch.uint8), 0), "a step")
         threads = torch.get_num_threads()
         torch.set_num_threads(self.args.threads)
         try:
@@ -165,21 +169,35 @@ class TensorParallel:
         finally:
             torch.set_num_threads(threads)
 
-    def _wait(self, work, doing: str) -> None:
-        """Wait for a collective, failing (not hanging) when a worker has died."""
-        self._poll(work.is_completed, doing)
-        work.wait()
+    def _collective(self, post, doing: str) -> None:
+        """Run the collective `post()` starts, failing (not hanging) when a worker has died:
+        with WorkerDied naming it, also where gloo saw its connection close first."""
+        try:
+            work = post()
+            self._poll(work.is_completed, doing)
+            work.wait()
+        except WorkerDied:
+            raise
+        except RuntimeError:
+            deadline = time.monotonic() + 1       # a killed process is reaped within moments
+            while time.monotonic() < deadline:
+                self._check_workers(doing)
+                time.sleep(0.01)
+            raise
 
     def _poll(self, done, doing: str) -> None:
         while not done():
-            dead = [w for w in self.workers if not w.is_alive()]
-            if dead:
-                raise RuntimeError(
-                    f"tensor-parallel worker {dead[0].name} died during {doing} (exit code "
-                    f"{dead[0].exitcode}); the engine stops: see the worker's error above (a "
-                    "script must build the engine under `if __name__ == \"__main__\":`, "
-                    "which multiprocessing's spawn needs) and restart it")
+            self._check_workers(doing)
             time.sleep(0.0001)
+
+    def _check_workers(self, doing: str) -> None:
+        dead = [w for w in self.workers if not w.is_alive()]
+        if dead:
+            raise WorkerDied(
+                f"tensor-parallel worker {dead[0].name} died during {doing} (exit code "
+                f"{dead[0].exitcode}); the engine stops: see the worker's error above (a "
+                "script must build the engine under `if __name__ == \"__main__\":`, which "
+                "multiprocessing's spawn needs) and restart it")
 
     def close(self) -> None:
         self._stopper()
