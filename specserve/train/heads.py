@@ -1,4 +1,5 @@
-"""`specserve train {eagle,eagle3,medusa,mlp_speculator,mtp}`: train a draft head for a target.
+"""`specserve train {eagle,eagle3,medusa,mlp_speculator,mtp,dflash}`: train a draft head for a
+target.
 
 Training data come from the target itself: its hidden states and next-token distributions over
 corpus text and over continuations it generates (so the head learns the target's own
@@ -12,8 +13,11 @@ to the target's most likely token: greedy verification accepts that token only):
 - eagle3: the same over fc-fused aux states and the draft vocabulary, unrolled for K draft
   steps (EAGLE-3's training-time test): each further pass feeds the head's own outputs back and
   attends as the drafting chain does (`unrolled_drafts`; with fewer passes than K, the last
-  drafts were never trained);
-- mtp: the MTP layer over (h_t, x_t+1) vs the target at t+1.
+  drafts were never trained); with `--parallel` (P-EAGLE) one pass with K-1 mask copies
+  instead (`parallel_drafts`);
+- mtp: the MTP layer over (h_t, x_t+1) vs the target at t+1;
+- dflash: blocks [x_a, mask...] at random anchors a, seeing the fused target states before a,
+  vs the target at a+1..a+B-1, weighted along the block.
 The result is written in the public format the loader reads, then tau is measured on held-out
 prompts.
 """
