@@ -189,8 +189,9 @@ class SpeculativeConfig:
         "help": "extract_hidden_states: stop writing once the directory's files reach this "
                 "size"})
     parallel_drafting: bool = field(default=False, metadata={
-        "help": "draft_model: draft all K tokens in one pass of a draft trained for it (PARD: "
-                "its config.json names the mask token, pard_token; `specserve train pard`)"})
+        "help": "draft all K tokens in one pass of a drafter trained for it: draft_model (PARD, "
+                "`specserve train pard`), eagle3 (P-EAGLE, `specserve train eagle3 --parallel`); "
+                "dflash always does"})
     adaptive_k: bool = field(default=False, metadata={
         "help": "choose K per step (0..num_speculative_tokens) for the most tokens/s, from "
                 "measured acceptance and step times at the current batch size"})

@@ -1,5 +1,6 @@
-"""What the one-pass drafters share (PARD's draft model, DFlash's block): the mask token that
-stands for the tokens not known yet, and turning the K logit rows of one pass into drafts."""
+"""What the one-pass drafters share (PARD's draft model, P-EAGLE's head, DFlash's block): the
+mask token that stands for the tokens not known yet, the training layout of mask copies, and
+turning the K logit rows of one pass into drafts."""
 
 from __future__ import annotations
 
