@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from specserve import methods
 from specserve.data.zoo import head_dir
+from specserve.methods.parallel import NUM_SPECIAL_TOKENS
 from specserve.models.llama import LlamaArgs
 from specserve.models.loader import load_model
 
@@ -118,7 +119,7 @@ def random_heads(target_dir: str, seed: int = 0) -> None:
         return
     target = load_model(target_dir, torch.float32, torch.device("cpu"))
     counts = np.ones(target.args.vocab_size, dtype=np.int64)
-    counts[3] = 0                              # the first id past the special ones: a mask token
+    counts[NUM_SPECIAL_TOKENS] = 0              # the first id past the special ones: a mask
     g = torch.Generator().manual_seed(seed)
     for name in todo:
         method, options = RANDOM_HEADS[name]
@@ -143,7 +144,8 @@ def random_pard(model_dir: str) -> None:
     for f in Path(model_dir).iterdir():
         if f.name != "config.json" and not (out / f.name).exists():
             (out / f.name).symlink_to(f.resolve())
-    cfg = json.loads((Path(model_dir) / "config.json").read_text()) | {"pard_token": 3}
+    cfg = json.loads((Path(model_dir) / "config.json").read_text()) | {
+        "pard_token": NUM_SPECIAL_TOKENS}
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 

@@ -16,10 +16,9 @@ from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
 from specserve.engine.tensor_parallel import TensorParallel
-from specserve.kv_cache import KVCache
 from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
 from specserve.metrics import SpecDecodingStats
-from specserve.models.backend import Backend
+from specserve.models.backend import Backend, make_kv_cache
 from specserve.models.llama import LlamaArgs
 from specserve.models.loader import load_hf_config, load_model, read_json
 from specserve.models.tensor_parallel import check_divisible
@@ -46,14 +45,6 @@ def _eos_ids(model_dir: str, cfg: dict, tokenizer: Tokenizer | None) -> frozense
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return frozenset(ids)
-
-
-def make_kv_cache(model: torch.nn.Module, num_slots: int, max_len: int,
-                  scratch_slot: bool = False) -> KVCache:
-    a = model.args
-    p = next(model.parameters())
-    return KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads // model.tp_size,
-                   max_len, a.head_dim, p.dtype, p.device, scratch_slot)
 
 
 class LLMEngine:

@@ -27,8 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from specserve.config import resolve_dtype
-from specserve.kv_cache import KVCache
-from specserve.models.backend import Backend
+from specserve.models.backend import Backend, make_kv_cache
 from specserve.models.loader import load_model
 from specserve.models.metadata import step_inputs
 from specserve.models.tensor_parallel import shard
@@ -82,14 +81,11 @@ def _worker(a: WorkerArgs, rank: int) -> None:
     model = _load(a)
     store.set(f"loaded{rank}", "1")
     model, group = _shard(a, rank, model, store)
-    ar = model.args
-    p = next(model.parameters())
-    cache = KVCache(ar.num_hidden_layers, a.num_slots, ar.num_key_value_heads // a.size,
-                    a.max_len, ar.head_dim, p.dtype, p.device)
+    cache = make_kv_cache(model, a.num_slots, a.max_len)
     group.allreduce([torch.zeros(1)]).wait()                     # ready
     with torch.inference_mode():
         while (step := _receive(group)) is not None:
-            ids, positions, md = step_inputs(step, p.device)
+            ids, positions, md = step_inputs(step, torch.device("cpu"))
             model(ids, positions, md, cache.layers)
 
 

@@ -62,6 +62,9 @@ class HeadProposer(ProposerBase):
         if self.parallel and self.tree is not None:
             raise ValueError("parallel_drafting drafts a chain in one pass; drop "
                              "speculative_token_tree (or parallel_drafting)")
+        if self.parallel:                       # the mask rows' state, fixed at inference
+            with torch.inference_mode():
+                self.mask_state = self.head.mask_state()                      # [1, H]
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
         # greedy chains in one compiled call where the head has one (on the CPU kernel)
         self.chain = (self.head.kernel_chain(self.cache.layers[0])
@@ -160,12 +163,11 @@ class HeadProposer(ProposerBase):
         """One head pass: every request's new pairs, each drafting request's followed by its
         budget-1 mask rows; its last pair's row and its mask rows draft."""
         masks = {id(r): n - 1 for r, n in zip(drafting, budgets)}
-        mask_state = self.head.mask_state()                                   # [1, H]
         toks, states, rows, lo, n = [], [], {}, 0, 0     # n: rows so far, pairs and masks
         for r, ts in zip(reqs, tokens):
             m = masks.get(id(r), 0)
             toks.append(ts + [self.head.mask_token_id] * m)
-            states += [h[lo:lo + len(ts)], mask_state.expand(m, -1)]
+            states += [h[lo:lo + len(ts)], self.mask_state.expand(m, -1)]
             lo, n = lo + len(ts), n + len(ts) + m
             rows[id(r)] = range(n - m - 1, n)                     # its last pair, its masks
         out = self._run(reqs, toks, torch.cat(states), starts)               # [T + masks, H]

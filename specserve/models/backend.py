@@ -44,3 +44,13 @@ class Backend:
         if lib is not None:
             return f"cpu kernel ({cpu_features(lib)}, steps up to {max_rows(lib)} rows)"
         return "pytorch cpu (oneDNN linears)" if linears else "pytorch cpu"
+
+
+def make_kv_cache(model: nn.Module, num_slots: int, max_len: int,
+                  scratch_slot: bool = False) -> KVCache:
+    """A KV cache for `model`'s layers (its own share of the KV heads when it is one rank's
+    tensor-parallel shard)."""
+    a = model.args
+    p = next(model.parameters())
+    return KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads // model.tp_size,
+                   max_len, a.head_dim, p.dtype, p.device, scratch_slot)

@@ -15,12 +15,11 @@ from specserve.models.llama import LlamaArgs, LlamaForCausalLM
 
 def check_divisible(args: LlamaArgs, size: int) -> None:
     """ValueError naming the first dimension `size` ranks cannot split evenly."""
-    for what, n in (("attention heads", args.num_attention_heads),
-                    ("KV heads", args.num_key_value_heads),
-                    ("intermediate size", args.intermediate_size)):
+    dims = {"attention heads": args.num_attention_heads, "KV heads": args.num_key_value_heads,
+            "intermediate size": args.intermediate_size}
+    for what, n in dims.items():
         if n % size:
-            ok = [d for d in range(1, n + 1) if n % d == 0 and args.num_attention_heads % d == 0
-                  and args.num_key_value_heads % d == 0 and args.intermediate_size % d == 0]
+            ok = [d for d in range(1, n + 1) if all(m % d == 0 for m in dims.values())]
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's {n} "
                              f"{what}; use one of {ok}")
 
