@@ -298,12 +298,12 @@ class DFlashProposer(ProposerBase):
             if r.is_finished:
                 continue
             lo, hi = out.rows(i, r.num_computed_tokens)
-            rows.append(torch.arange(lo, hi))
+            rows += range(lo, hi)
             slots += [r.slot] * (hi - lo)
             positions += range(out.starts[i], r.num_computed_tokens)
         if not positions:
             return
-        feats = out.aux_hidden[torch.cat(rows).to(self.device)]               # [T, n * H_t]
+        feats = out.aux_hidden[torch.tensor(rows, device=self.device)]        # [T, n * H_t]
         c = self.drafter.context(feats.to(next(self.drafter.parameters()).dtype))   # [T, H]
         pos = torch.tensor(positions, device=self.device)
         slot = torch.tensor(slots, device=self.device)
@@ -320,10 +320,11 @@ class DFlashProposer(ProposerBase):
         if not reqs:
             return []
         mask = self.drafter.mask_token_id
-        ids, store = [], []
+        ids, store, mask_rows = [], [], []
         for r, n in zip(reqs, budgets):
             q = r.num_tokens - 1               # the last token's position: the context ends there
             assert r.num_computed_tokens == q, "the block starts after the verified context"
+            mask_rows += range(len(ids) + 1, len(ids) + 1 + n)
             ids += [r.all_token_ids[-1]] + [mask] * n
             store.append(list(range(q, q + n + 1)))
         # every block row sees the context and its whole block: < q + n + 1
@@ -332,10 +333,8 @@ class DFlashProposer(ProposerBase):
                                  [[[] for _ in s] for s in store], self.device)
         out = self.drafter.block(torch.tensor(ids, device=self.device), md.positions, md,
                                  self.cache.layers)                            # [T, H]
-        starts = np.cumsum([0] + [n + 1 for n in budgets])[:-1]
-        masks = torch.tensor([s + 1 + j for s, n in zip(starts, budgets) for j in range(n)],
-                             device=self.device)
-        logits = self.drafter.logits(out[masks]).float()                       # [sum(n), V]
+        logits = self.drafter.logits(
+            out[torch.tensor(mask_rows, device=self.device)]).float()          # [sum(n), V]
         return drafts_from_rows(logits, budgets, reqs, self.sample, self.threshold)
 
 
