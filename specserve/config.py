@@ -36,6 +36,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+QUANTIZATIONS = ("int8",)
+
+
+def check_quantization(value: str | None, key: str = "quantization") -> None:
+    if value is not None and value not in QUANTIZATIONS:
+        raise ValueError(f"{key}={value!r} is not supported; use one of "
+                         f"{', '.join(QUANTIZATIONS)}, or leave it unset for the checkpoint's "
+                         "weights as they are")
+
+
 @dataclass
 class ModelConfig:
     model: str = field(metadata={"help": "path of a local Hugging Face model directory"})
@@ -48,6 +58,10 @@ class ModelConfig:
         "help": "float32 or bfloat16 on the CPU: run decode, verify and prompt steps (up to "
                 "512 rows with AVX-512, 48 with AVX2) in specserve's compiled kernel (built "
                 "with the C compiler on first use; the PyTorch path runs where it cannot be)"})
+    quantization: str | None = field(default=None, metadata={
+        "help": "int8: quantize the weights at load (symmetric, one scale per output column) "
+                "and multiply them in the CPU kernel, widened in registers: a quarter of "
+                "float32's bytes per step, half of bfloat16's"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: run every step eagerly instead of replaying CUDA graphs captured for "
                 "decode, verify and draft-chain steps (vLLM's flag)"})
@@ -63,6 +77,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         resolve_dtype(self.dtype)
         resolve_device(self.device)
+        check_quantization(self.quantization)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
@@ -148,6 +163,9 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks of the drafter: 1 (it runs on rank 0 beside the sharded target, vLLM's "
                 "advice) or the target's tensor_parallel_size"})
+    quantization: str | None = field(default=None, metadata={
+        "help": "int8: the drafter's weights quantized at load, as the target's `quantization` "
+                "(default: unquantized, whatever the target's)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "the drafter's context: past it a request decodes on without drafts; at most "
                 "the target's and the drafter's own (default: the drafter's)"})
@@ -235,6 +253,7 @@ class SpeculativeConfig:
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError("suffix_decoding_min_token_prob must be in [0, 1], got "
                              f"{self.suffix_decoding_min_token_prob}")
+        check_quantization(self.quantization, "speculative_config quantization")
         if self.draft_tensor_parallel_size < 1:
             raise ValueError("draft_tensor_parallel_size must be >= 1, got "
                              f"{self.draft_tensor_parallel_size}")

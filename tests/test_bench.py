@@ -88,10 +88,17 @@ def test_weight_bytes_as_stored_and_as_the_cpu_kernel_streams_them(llama_dir):
     with torch.no_grad():                   # bfloat16-valued weights, like the bundled zoo
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
+    as_stored = weight_bytes(model)
     use_decode_linears(model)
-    linear = sum(m.weight.numel() * 4 for m in model.modules() if hasattr(m, "kernel_weight"))
-    expected = weight_bytes(model) - (linear // 2 if load_library() is not None else 0)
-    assert weight_bytes(model, streamed=True) == expected
+    assert weight_bytes(model) == as_stored            # a packed weight counts as float32
+    packed = [m for m in model.modules() if getattr(m, "kernel_weight", None) is not None]
+    assert bool(packed) == (load_library() is not None)
+    for m in packed:            # bfloat16: half of float32's bytes, plus padding columns
+        half = m.in_features * m.out_features * 2
+        assert half <= m.kernel_weight.nbytes < half + 64 * (m.in_features + 1) * 2
+    linear = sum(m.in_features * m.out_features * 4 for m in packed)
+    streamed = as_stored - linear + sum(m.kernel_weight.nbytes for m in packed)
+    assert weight_bytes(model, streamed=True) == streamed
 
 
 class _Runner:

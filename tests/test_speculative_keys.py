@@ -96,6 +96,9 @@ CASES = {
         lambda p: {"model": str(eagle3_ckpt(p.tmp / "e3")), "num_speculative_tokens": 3},
         lambda p: {"model": str(eagle3_ckpt(p.tmp / "e3")),
                       "speculative_token_tree": "[(0,), (1,), (0, 0)]"}, {}),
+    # an int8 drafter drafts (slightly) different tokens: other acceptance counts
+    "quantization": (lambda p: _draft(p.draft), lambda p: _draft(p.draft) | {
+        "quantization": "int8"}, {}),
     "hybrid_prompt_lookup": (lambda p: _draft(p.draft), lambda p: _draft(p.draft) | {
         "hybrid_prompt_lookup": 1}, {}),
     "adaptive_k": (lambda p: NGRAM, lambda p: NGRAM | {"adaptive_k": True}, {}),

@@ -81,13 +81,15 @@ def cpu_name() -> str:
 def weight_bytes(model: torch.nn.Module, streamed: bool = False) -> int:
     """Bytes of the weights a decode step reads: every weight except the input embedding table
     (only one row of it is read per token) unless it doubles as the lm_head. `streamed`: as
-    the CPU kernel stores them (bfloat16-valued weights packed in bfloat16), else as the
-    model's parameters."""
-    packed = {id(m.weight): m.kernel_weight for m in model.modules()
-              if getattr(m, "kernel_weight", None) is not None} if streamed else {}
-    total = sum(packed[id(p)].element_size() * p.numel() if id(p) in packed
-                else p.numel() * p.element_size() for p in model.parameters())
-    if not model.args.tie_word_embeddings:
+    the CPU kernel holds them (bfloat16-valued weights packed in bfloat16, int8 with its
+    scales), else as the model's parameters (float32 for a kernel-packed one)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    lm_head_packed = False
+    for m in model.modules():
+        if getattr(m, "kernel_weight", None) is not None:
+            total += m.kernel_weight.nbytes if streamed else m.in_features * m.out_features * 4
+            lm_head_packed |= m is model.lm_head
+    if not model.args.tie_word_embeddings or lm_head_packed:
         e = model.embed_tokens.weight
         total -= e.numel() * e.element_size()
     return total

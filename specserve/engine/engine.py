@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import logging
@@ -61,7 +62,8 @@ class LLMEngine:
         self.max_model_len = mc.max_model_len or model_len
         self.tokenizer = Tokenizer(mc.model) if (Path(mc.model) / "tokenizer.json").is_file() else None
         self.backend = Backend(self.device, self.dtype, mc.cpu_kernel,
-                               cuda_graphs=self.device.type == "cuda" and not mc.enforce_eager)
+                               cuda_graphs=self.device.type == "cuda" and not mc.enforce_eager,
+                               quantization=mc.quantization)
         sc = config.scheduler_config
         self.spec = config.speculative_config
         self.tp = self._tensor_parallel(mc, sc, hf)
@@ -86,7 +88,7 @@ class LLMEngine:
             self.proposer = build_proposer(self.spec, DraftContext(
                 target=self.model, target_path=mc.model, num_slots=sc.max_num_seqs,
                 max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                backend=self.backend))
+                backend=dataclasses.replace(self.backend, quantization=self.spec.quantization)))
             self.draft_max_len = self._draft_max_len(self.spec.max_model_len,
                                                      self.proposer.max_model_len)
             caches += self.proposer.caches
@@ -131,7 +133,7 @@ class LLMEngine:
         check_divisible(LlamaArgs.from_hf_config(hf, str(Path(mc.model) / "config.json")),
                         size)
         return TensorParallel(mc.model, size, mc.dtype, self.max_model_len, sc.max_num_seqs,
-                              mc.cpu_kernel)
+                              mc.cpu_kernel, mc.quantization)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (also done when the engine is collected)."""

@@ -43,6 +43,7 @@ class WorkerArgs:
     max_len: int
     num_slots: int
     cpu_kernel: bool
+    quantization: str | None
     size: int
     addr: str
     port: int
@@ -67,7 +68,8 @@ def _shard(a: WorkerArgs, rank: int, model: torch.nn.Module, store: dist.TCPStor
     this rank's shard of `model`, ready for inference on the CPU."""
     group = dist.ProcessGroupGloo(store, rank, a.size,
                                   datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-    backend = Backend(torch.device("cpu"), resolve_dtype(a.dtype), a.cpu_kernel)
+    backend = Backend(torch.device("cpu"), resolve_dtype(a.dtype), a.cpu_kernel,
+                      quantization=a.quantization)
     return backend.prepare(shard(model, rank, a.size, group)), group
 
 
@@ -122,13 +124,13 @@ class TensorParallel:
     """Rank 0's side: starts the workers, holds the group, sends each step."""
 
     def __init__(self, model: str, size: int, dtype: str, max_len: int, num_slots: int,
-                 cpu_kernel: bool) -> None:
+                 cpu_kernel: bool, quantization: str | None = None) -> None:
         if size < 2:
             raise ValueError("tensor parallelism needs tensor_parallel_size >= 2")
         port = int(os.environ.get("MASTER_PORT") or _free_port())
         # each rank its share of the cores (the engine's own threads included)
         threads = max(1, torch.get_num_threads() // size)
-        self.args = WorkerArgs(model, dtype, max_len, num_slots, cpu_kernel, size,
+        self.args = WorkerArgs(model, dtype, max_len, num_slots, cpu_kernel, quantization, size,
                                os.environ.get("MASTER_ADDR", "127.0.0.1"), port, threads)
         self.store = _store(self.args, 0)              # the server: before any worker
         ctx = mp.get_context("spawn")

@@ -64,7 +64,7 @@ class DraftContext:
     num_slots: int                  # KV slots (most requests running at once)
     max_model_len: int              # the target's context length
     vocab_size: int
-    backend: Backend                # the target's: drafters prepare their modules with it
+    backend: Backend                # the drafter's: the target's, with speculative quantization
 
     @property
     def device(self) -> torch.device:

@@ -32,7 +32,7 @@ from specserve.methods.checkpoints import (
     write_head,
 )
 from specserve.methods.parallel import drafts_from_rows, first_unused, mask_token_id
-from specserve.models.layers import RMSNorm, Rotary
+from specserve.models.layers import RMSNorm, Rotary, model_tensor
 from specserve.models.llama import DecoderLayer, LlamaArgs
 from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_dict
 from specserve.models.metadata import build_tree_metadata
@@ -282,7 +282,7 @@ class DFlashProposer(ProposerBase):
         self.drafter.rotary = Rotary(a.head_dim, max_len, a.rope_theta, a.rope_scaling).to(
             ctx.device)
         self.cache = ctx.new_kv_cache(a.num_hidden_layers, a.num_key_value_heads, max_len,
-                                      a.head_dim, next(self.drafter.parameters()).dtype)
+                                      a.head_dim, model_tensor(self.drafter).dtype)
         self.caches = [self.cache]
         self.modules = {"drafter": self.drafter}
         self.aux_hidden_layers = self.drafter.aux_layers
@@ -304,7 +304,7 @@ class DFlashProposer(ProposerBase):
         if not positions:
             return
         feats = out.aux_hidden[torch.tensor(rows, device=self.device)]        # [T, n * H_t]
-        c = self.drafter.context(feats.to(next(self.drafter.parameters()).dtype))   # [T, H]
+        c = self.drafter.context(feats.to(model_tensor(self.drafter).dtype))   # [T, H]
         pos = torch.tensor(positions, device=self.device)
         slot = torch.tensor(slots, device=self.device)
         cos_sin = self.drafter.rotary.tables(pos, c.dtype)

@@ -25,6 +25,7 @@ from specserve.config import SpeculativeConfig
 from specserve.kernels.cpu import max_rows
 from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 from specserve.methods.parallel import confident, drafts_from_rows, mask_token_id, pick_tokens
+from specserve.models.layers import model_tensor
 from specserve.models.loader import load_hf_config, load_model
 from specserve.models.metadata import ragged_inputs
 from specserve.sampling.sampler import greedy_ids
@@ -61,7 +62,7 @@ class DraftModelProposer(ProposerBase):
         a = self.model.args
         # the model's own dtype: bfloat16 weights that the CPU kernel runs keep float32 KV
         self.cache = ctx.new_kv_cache(a.num_hidden_layers, a.num_key_value_heads, limit,
-                                      a.head_dim, next(self.model.parameters()).dtype)
+                                      a.head_dim, model_tensor(self.model).dtype)
         self.caches = [self.cache]
         self.modules = {"draft model": self.model}
         self.device = ctx.device

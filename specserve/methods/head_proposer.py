@@ -31,7 +31,7 @@ from specserve.kernels.cpu import max_rows
 from specserve.methods.base import DraftContext, Proposal, ProposeBatch, ProposerBase
 from specserve.methods.parallel import drafts_from_rows
 from specserve.models.heads import StatefulHead
-from specserve.models.layers import Rotary
+from specserve.models.layers import Rotary, model_tensor
 from specserve.models.metadata import build_tree_metadata, ragged_inputs
 from specserve.token_tree import ancestors, node_depths
 
@@ -52,7 +52,7 @@ class HeadProposer(ProposerBase):
         for step in range(self.num_layers):
             self.head.step_head(step).rotary = self.head.rotary
         self.cache = ctx.new_kv_cache(self.num_layers, a.num_key_value_heads, max_len,
-                                      a.head_dim, next(self.head.parameters()).dtype)
+                                      a.head_dim, model_tensor(self.head).dtype)
         self.caches = [self.cache]
         self.modules = {"head": self.head}
         self.device = ctx.device

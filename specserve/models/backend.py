@@ -4,6 +4,8 @@ where they exist)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +14,7 @@ from torch import nn
 from specserve.kernels.cpu import cpu_features, max_rows
 from specserve.kv_cache import KVCache
 from specserve.models.cuda_graphs import CudaGraphs
-from specserve.models.layers import DecodeLinear, use_decode_linears
+from specserve.models.layers import DecodeLinear, model_tensor, use_decode_linears
 from specserve.models.llama import LlamaForCausalLM
 
 
@@ -22,12 +24,16 @@ class Backend:
     dtype: torch.dtype
     cpu_kernel: bool            # run few-row CPU steps in the compiled kernel where it builds
     cuda_graphs: bool = False   # replay few-row CUDA steps of target and draft from graphs
+    quantization: str | None = None     # "int8": weights quantized for the CPU kernel
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """`model` (any device and dtype) moved to this backend's and set up for inference on
         it (packed weights for the kernel or oneDNN on the CPU)."""
-        model = model.to(device=self.device, dtype=self.dtype).eval()
-        return use_decode_linears(model, self.cpu_kernel)
+        model = use_decode_linears(model.to(device=self.device, dtype=self.dtype).eval(),
+                                   self.cpu_kernel, self.quantization)
+        if self.device.type == "cpu":
+            _release_freed_memory()
+        return model
 
     def graphs(self, model: nn.Module, cache: KVCache, max_batch: int) -> CudaGraphs | None:
         """CUDA graphs of `model`'s few-row cached steps over `cache`, or None (eager)."""
@@ -35,15 +41,26 @@ class Backend:
 
     def describe(self, model: nn.Module) -> str:
         """Which path a prepared model's steps take (the engine logs it)."""
-        w = next(model.parameters())
+        w = model_tensor(model)
         if w.device.type != "cpu":
             graphed = self.cuda_graphs and isinstance(model, LlamaForCausalLM)   # heads: eager
             return f"{w.device.type} ({'CUDA graphs' if graphed else 'eager'})"
         linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
         lib = next((m.lib for m in linears if m.lib is not None), None)
         if lib is not None:
-            return f"cpu kernel ({cpu_features(lib)}, steps up to {max_rows(lib)} rows)"
+            int8 = any(m.kernel_weight.dtype == torch.int8 for m in linears)
+            return (f"cpu kernel ({cpu_features(lib)}{', int8 weights' if int8 else ''}, "
+                    f"steps up to {max_rows(lib)} rows)")
         return "pytorch cpu (oneDNN linears)" if linears else "pytorch cpu"
+
+
+def _release_freed_memory() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim): the checkpoint's
+    tensors and the packing's temporaries, freed by now, would otherwise stay resident."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):      # not glibc: its allocator returns memory itself
+        pass
 
 
 def make_kv_cache(model: nn.Module, num_slots: int, max_len: int,
@@ -51,6 +68,6 @@ def make_kv_cache(model: nn.Module, num_slots: int, max_len: int,
     """A KV cache for `model`'s layers (its own share of the KV heads when it is one rank's
     tensor-parallel shard)."""
     a = model.args
-    p = next(model.parameters())
+    p = model_tensor(model)
     return KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads // model.tp_size,
                    max_len, a.head_dim, p.dtype, p.device, scratch_slot)

@@ -7,6 +7,7 @@ Training runs on a dense `[batch, seq, ...]` tensor with plain causal attention 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specserve.config import check_quantization
 from specserve.kernels.cpu import (
     CpuLayer,
     linear_rows,
@@ -190,8 +192,11 @@ class Attention(nn.Module):
         """Rotated keys and values [..., Hkv, D] of x [..., in] without its queries (DFlash
         injects the target's context into a layer this way)."""
         lead = x.shape[:-1]
-        w, b = self.qkv_proj.weight[self.q_size:], self.qkv_proj.bias
-        kv = F.linear(x, w, None if b is None else b[self.q_size:])         # [..., 2 * Hkv * D]
+        w, b = self.qkv_proj.weight, self.qkv_proj.bias
+        if w is None:           # packed for the CPU kernel: one call, the queries dropped
+            kv = self.qkv_proj(x)[..., self.q_size:]                       # [..., 2 * Hkv * D]
+        else:
+            kv = F.linear(x, w[self.q_size:], None if b is None else b[self.q_size:])
         k, v = kv.view(*lead, 2, self.num_kv_heads, self.head_dim).unbind(-3)
         if self.k_norm is not None:
             k = self.k_norm(k)
@@ -254,39 +259,45 @@ class MLP(nn.Module):
 
 
 class DecodeLinear(nn.Module):
-    """Inference-only float32 or bfloat16 CPU linear over a copy of its weight packed for
-    few-row inputs.
+    """Inference-only CPU linear over a copy of its weight packed for few-row inputs.
 
     MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding: a verify step
-    of 1+k rows cost well over a one-row decode step. With `lib` (the compiled CPU kernel,
-    float32 only), inputs of up to max_rows(lib) rows go through the kernel, over a copy
-    packed for it (`kernel_weight`, which `CpuLayer` reads too); longer inputs (prompt chunks)
-    take F.linear. Without the kernel, oneDNN with the weight reordered once for a multi-row
-    layout keeps the cost nearly flat from 1 to about 8 rows, and a one-row step is cheaper
-    too; in bfloat16 it also beats F.linear's kernel (`specserve bench latency --pytorch-path`
-    compares the paths).
+    of 1+k rows cost well over a one-row decode step. With `lib` (the compiled CPU kernel),
+    every input goes through the kernel over the packed copy (`kernel_weight`, which
+    `CpuLayer` reads too), and the module keeps no other: a weight is held once, in the bytes
+    the kernel streams (bfloat16 where bfloat16 holds it, int8 with `quantization`). Without
+    the kernel, oneDNN with the weight reordered once for a multi-row layout keeps the cost
+    nearly flat from 1 to about 8 rows, and a one-row step is cheaper too; in bfloat16 it also
+    beats F.linear's kernel (`specserve bench latency --pytorch-path` compares the paths).
     """
 
     PACK_ROWS = 16
 
-    def __init__(self, linear: nn.Linear, lib=None, bf16_inputs: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, lib=None, bf16_inputs: bool = False,
+                 quantization: str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight                  # same Parameter: ties stay tied
-        self.bias = linear.bias
         self.lib = lib
-        self.kernel_weight = (None if lib is None else pack_weight(
-            linear.weight, lib.specserve_block(), pairs=bf16_inputs))
+        self.bias = linear.bias
+        if lib is not None:
+            # A plain attribute, so that module.to() and .float() (a head's prepare, which may
+            # hold the target's lm_head) never convert it out of the kernel's layout.
+            self.weight = None
+            self.kernel_weight = pack_weight(linear.weight, lib.specserve_block(),
+                                             pairs=bf16_inputs, int8=quantization == "int8")
+            return
+        self.weight = linear.weight                  # same Parameter: ties stay tied
+        self.kernel_weight = None
         # An opaque oneDNN tensor: a plain attribute, since module.to() cannot move it. The
         # layout is chosen for PACK_ROWS-row inputs; any hint > 1 gives the fast few-row
         # kernels (a plain to_mkldnn() copy runs 5 rows at 2x the cost of one).
-        self.packed = None if lib is not None else torch.ops.mkldnn._reorder_linear_weight(
-            linear.weight.detach(), self.PACK_ROWS)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
+                                                              self.PACK_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.lib is not None:
-            if x.numel() > max_rows(self.lib) * self.in_features:
-                return F.linear(x, self.weight, self.bias)
+            # Longer inputs (prompt chunks) too: a tile's weights stay in cache while its rows
+            # pass, and no float32 copy of the weight is kept for them.
             y = linear_rows(self.lib, x.reshape(-1, self.in_features), self.kernel_weight,
                             self.bias, self.out_features)                  # [N, out]
             return y.view(*x.shape[:-1], self.out_features)
@@ -297,33 +308,51 @@ class DecodeLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def use_decode_linears(model: nn.Module, cpu_kernel: bool = True) -> nn.Module:
+def model_tensor(model: nn.Module) -> torch.Tensor:
+    """A tensor of `model` with the device and dtype it computes in: its first parameter (or
+    buffer: kernel-packed weights are neither)."""
+    return next(itertools.chain(model.parameters(), model.buffers()))
+
+
+def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
+                       quantization: str | None = None) -> nn.Module:
     """Swap every nn.Linear of a float32 or bfloat16 CPU inference model for a DecodeLinear
     (in place). Other cases keep nn.Linear: CUDA has cuBLAS; float16, and bfloat16 without the
     kernel on a CPU without native bfloat16 instructions, have no fast oneDNN kernel.
 
-    With `cpu_kernel`, small inputs of linears and RMSNorms go through the compiled CPU
-    kernel, and every decoder layer (a module with a `cpu_layer` slot) gets a CpuLayer for its
-    few-row cached steps; without a C compiler that is skipped with a warning. A bfloat16
+    With `cpu_kernel`, every linear and the small inputs of RMSNorms go through the compiled
+    CPU kernel, and every decoder layer (a module with a `cpu_layer` slot) gets a CpuLayer for
+    its few-row cached steps; without a C compiler that is skipped with a warning. A bfloat16
     model becomes float32 then (its values unchanged) and its few-row matrix products take
     their inputs in bfloat16 (AVX512-BF16 dot products where the CPU has them): norms,
     attention, the KV cache and the sums stay float32. A model with `kernel_forward`
-    (LlamaForCausalLM) then runs its whole cached step in one call (`cpu_forward`)."""
-    w = next(model.parameters())
+    (LlamaForCausalLM) then runs its whole cached step in one call (`cpu_forward`).
+    `quantization="int8"` (kernel only) packs every linear's weight as int8 with one scale per
+    output column."""
+    w = model_tensor(model)
+    check_quantization(quantization)
     if w.device.type != "cpu":
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} runs in the CPU kernel only; on "
+                             f"{w.device.type} load the model unquantized (quantization=None)")
         return model
     lib = (load_library() if cpu_kernel and w.dtype in (torch.float32, torch.bfloat16)
            else None)
-    bf16_inputs = lib is not None and w.dtype == torch.bfloat16
-    if bf16_inputs:
-        model.float()
-    elif not _onednn_linear_available(w.dtype):
+    if quantization is not None and lib is None:
+        raise ValueError(f"quantization={quantization!r} needs the CPU kernel (cpu_kernel=True, "
+                         "dtype float32 or bfloat16, and a C compiler with OpenMP); the PyTorch "
+                         "path multiplies unquantized weights only")
+    bf16_inputs = lib is not None and w.dtype == torch.bfloat16 and quantization is None
+    if lib is None and not _onednn_linear_available(w.dtype):
         return model
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, DecodeLinear(child, lib, bf16_inputs))
+                # packed one at a time, from the weights as loaded: no float32 copy of the
+                # whole model is ever held beside the packed one
+                setattr(module, name, DecodeLinear(child, lib, bf16_inputs, quantization))
     if lib is not None:
+        model.float()          # what the kernel reads besides the packed weights is float32
         for module in model.modules():
             # a tensor-parallel shard all-reduces inside the layer: the C call cannot
             if (hasattr(module, "cpu_layer") and getattr(module, "tp_group", None) is None

@@ -244,8 +244,9 @@ def test_mtp_with_several_layers_uses_them_in_turn(tmp_path, spec):
     got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
     assert got == ref and llm.get_stats()["spec_decode_num_drafts"] > 0
     assert calls[0] > 0 and calls[1] > 0
-    assert proposer.head.layers[1].eh_proj.weight.data_ptr() != \
-        proposer.head.layers[0].eh_proj.weight.data_ptr()
+    eh = [layer.eh_proj for layer in proposer.head.layers]
+    w0, w1 = (m.weight if m.weight is not None else m.kernel_weight for m in eh)  # packed: no .weight
+    assert w0.data_ptr() != w1.data_ptr()
 
 
 def test_mtp_default_k_is_its_layer_count_and_a_missing_layer_is_named(tmp_path):
@@ -274,18 +275,21 @@ def test_loaded_weights_match_the_files(heads, llama_dir):
     from specserve.methods import load_head
     from specserve.models.loader import load_model
     target = load_model(llama_dir, torch.float32, torch.device("cpu"))
-    m = load_head("medusa", str(heads["medusa_fd"][1]), target, torch.device("cpu"), torch.float32)
+    # the PyTorch path keeps each weight as read (the kernel's holds only packed copies)
+    m = load_head("medusa", str(heads["medusa_fd"][1]), target, torch.device("cpu"),
+                  torch.float32, cpu_kernel=False)
     f = load_file(str(heads["medusa_fd"][1] / "model.safetensors"))
     assert torch.equal(m.blocks[2].layers[0].weight, f["medusa_head.2.0.linear.weight"])
     assert torch.equal(m.lm_heads[3].weight, f["medusa_head.3.1.weight"])
-    e = load_head("eagle", str(heads["eagle"][1]), target, torch.device("cpu"), torch.float32)
+    e = load_head("eagle", str(heads["eagle"][1]), target, torch.device("cpu"), torch.float32,
+                  cpu_kernel=False)
     f = load_file(str(heads["eagle"][1] / "model.safetensors"))
     qkv = torch.cat([f["layers.0.self_attn.q_proj.weight"], f["layers.0.self_attn.k_proj.weight"],
                      f["layers.0.self_attn.v_proj.weight"]])
     assert torch.equal(e.layers[0].self_attn.qkv_proj.weight, qkv)
     assert e.embed_tokens is target.embed_tokens      # shared when the head has none
     ms = load_head("medusa", str(heads["medusa_shared"][1]), target, torch.device("cpu"),
-                   torch.float32)
+                   torch.float32, cpu_kernel=False)
     assert all(lm.weight is target.lm_head.weight for lm in ms.lm_heads)
     e3 = load_head("eagle3", str(heads["eagle3"][1]), target, torch.device("cpu"), torch.float32)
     out = torch.randn(2, H)

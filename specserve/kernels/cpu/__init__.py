@@ -12,11 +12,13 @@ from specserve.kernels.cpu.binding import (
                                            load_library,
                                            max_rows,
                                            pack_weight,
+                                           quantize_int8,
                                            rms_norm_rows,
                                            weight_mode,
 )
 
 __all__ = ["GROUP", "CpuLayer", "HeadChain", "LlamaChain", "LlamaForward", "cpu_features",
            "kernel_step",
-           "linear_rows", "load_library", "max_rows", "pack_weight", "rms_norm_rows",
+           "linear_rows", "load_library", "max_rows", "pack_weight",
+           "quantize_int8", "rms_norm_rows",
            "weight_mode"]

@@ -161,27 +161,46 @@ def max_rows(lib: ctypes.CDLL) -> int:
     return lib.specserve_max_rows()
 
 
-def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False) -> torch.Tensor:
-    """float32 [out, in] -> the kernel's layout [ceil(out / (GROUP block)), in, GROUP, block]:
-    groups of GROUP blocks of `block` output columns (the kernel's vector width,
-    `lib.specserve_block()`), input by input, so that the weights a tile multiplies stream as
-    one run; the padding columns and inputs are zero and never used.
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of weight [out, in], one scale per output column: q [out, in] int8 in
+    [-127, 127] and scale [out] float32 with weight ~= q * scale[:, None] (a zero column gets
+    scale 0)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(1) / 127                                   # [out]
+    q = (w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).round().clamp(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
+                int8: bool = False) -> torch.Tensor:
+    """weight [out, in] (float32 or bfloat16) -> the kernel's layout
+    [ceil(out / (GROUP block)), in, GROUP, block]: groups of GROUP blocks of `block` output
+    columns (the kernel's vector width, `lib.specserve_block()`), input by input, so that the
+    weights a tile multiplies stream as one run; the padding columns and inputs are zero and
+    never used.
 
     Weights that bfloat16 holds exactly (a checkpoint stored in bfloat16, like the bundled
     zoo) are packed in bfloat16, inputs 2i and 2i + 1 side by side: the kernel streams half the
     bytes and widens a pair per 32-bit lane. The products and sums are those of float32 weights.
     Layout [.., ceil(in / 2), GROUP, 2 block]; with `pairs` (the inputs rounded to bfloat16
     too: bfloat16 models; the weight must hold bfloat16 values) the same bytes as
-    [.., ceil(in / 2), GROUP, block, 2]: `weight_mode` tells the three apart."""
+    [.., ceil(in / 2), GROUP, block, 2]. `int8`: `quantize_int8`'s values, each group
+    [in, GROUP, block] int8 followed by its GROUP block float32 scales, as int8
+    [groups, (in + 4) GROUP block]. `weight_mode` tells the four apart."""
     out, inp = weight.shape
     w = weight.detach()
     if out % (GROUP * block):
         w = torch.cat([w, w.new_zeros(-out % (GROUP * block), inp)])
+    if int8:
+        q, scale = quantize_int8(w)
+        q = q.view(-1, GROUP, block, inp).permute(0, 3, 1, 2).reshape(len(w) // (GROUP * block),
+                                                                      -1)
+        return torch.cat([q, scale.view(len(q), -1).contiguous().view(torch.int8)], 1)
     as_bf16 = w.to(torch.bfloat16)
-    if not torch.equal(as_bf16.float(), w):
+    if w.dtype != torch.bfloat16 and not torch.equal(as_bf16.float(), w):
         if pairs:
             raise ValueError("pack_weight: pairs=True needs weights that bfloat16 holds exactly")
-        return w.view(-1, GROUP, block, inp).permute(0, 3, 1, 2).contiguous()
+        return w.float().view(-1, GROUP, block, inp).permute(0, 3, 1, 2).contiguous()
     w = torch.cat([as_bf16, as_bf16.new_zeros(len(w), 1)], 1) if inp % 2 else as_bf16
     packed = w.view(-1, GROUP, block, (inp + 1) // 2, 2).permute(0, 3, 1, 2, 4).contiguous()
     return packed if pairs else packed.flatten(-2)
@@ -189,7 +208,9 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False) -> torch.
 
 def weight_mode(packed: torch.Tensor) -> int:
     """The C code's mode of a `pack_weight` result: 0 float32, 1 bfloat16 (float32 products),
-    2 bfloat16 pairs (bfloat16 inputs)."""
+    2 bfloat16 pairs (bfloat16 inputs), 3 int8 with column scales."""
+    if packed.dtype == torch.int8:
+        return 3
     return 2 if packed.dim() == 5 else int(packed.dtype == torch.bfloat16)
 
 

@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -36,6 +36,21 @@ static inline vf loadv(const float *p) {
 }
 
 static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* VL int8 values widened to floats (GCC scalarises __builtin_convertvector of bytes) */
+static inline vf widen_i8(const int8_t *p) {
+    vf v;
+#if VL == 16
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
+    memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)p)));
+    memcpy(&v, &f, sizeof v);
+#else
+    for (int j = 0; j < VL; j++) v[j] = (float)p[j];
+#endif
+    return v;
+}
 
 static inline float hsum(vf s) {
     float b[VL];
@@ -102,8 +117,11 @@ static float dot(const float *a, const float *b, int64_t n) {
  * bfloat16 weights and inputs (the inputs rounded to nearest even), accumulated in float32:
  * on CPUs with AVX512-BF16 one instruction takes 32 products, and no weight needs widening
  * first. BF16 and PAIRS interleave consecutive inputs in pairs: one 32-bit lane holds a
- * column's weights for inputs 2i and 2i + 1, widened to float32 by a shift and a mask. */
-enum { F32, BF16, PAIRS };
+ * column's weights for inputs 2i and 2i + 1, widened to float32 by a shift and a mask. I8:
+ * symmetric int8 weights (quantization="int8") with one float32 scale per output column,
+ * widened to float32 in registers; each output's sum is scaled once at its end, so a quarter
+ * of F32's bytes stream and the products stay float32. */
+enum { F32, BF16, PAIRS, I8 };
 #define GROUP 4                 /* blocks a packed weight keeps input by input together */
 #define ROWS (ACC / GROUP)      /* rows a tile runs at once, GROUP accumulators each */
 
@@ -115,7 +133,8 @@ enum { F32, BF16, PAIRS };
  * group (wp: its first block) times tb <= ROWS rows keeps its tb * GROUP accumulators in
  * registers while the weights stream past once; each output is summed over i in order, the
  * same for every tb. For PAIRS, x holds the rows as bfloat16 pairs
- * (uint32, `in` of them per row: here `in` counts pairs). */
+ * (uint32, `in` of them per row: here `in` counts pairs). I8 packs a group as
+ * [in][GROUP][VL] int8 followed by its GROUP VL float32 column scales. */
 static inline __attribute__((always_inline)) void tile(const void *wp, int mode, const void *xp,
                                                        int64_t in, int tb, float *y) {
 #if defined(__AVX512BF16__) && VL == 16
@@ -182,6 +201,20 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
                 const vf lo = (vf)(w << 16);
                 for (int t = 0; t < tb; t++) acc[t][b] += lo * x[t * in + in - 1];
             }
+    } else if (mode == I8) {
+        const float *x = xp;
+        const int8_t *w8 = wp;
+        for (int64_t i = 0; i < in; i++) {
+            vf w[GROUP];
+            for (int b = 0; b < GROUP; b++) w[b] = widen_i8(w8 + (i * GROUP + b) * VL);
+            for (int t = 0; t < tb; t++) {
+                float xv = x[t * in + i];
+                for (int b = 0; b < GROUP; b++) acc[t][b] += w[b] * xv;
+            }
+        }
+        const float *scale = (const float *)(w8 + in * GROUP * VL);
+        for (int t = 0; t < tb; t++)
+            for (int b = 0; b < GROUP; b++) acc[t][b] *= loadv(scale + b * VL);
     } else {
         const float *x = xp;
         for (int64_t i = 0; i < in; i++) {
@@ -232,7 +265,7 @@ int specserve_max_rows(void) { return VL == 16 ? 512 : 48; }
 #define TILES(MODE) switch (n) { TILE(1, MODE) TILE(2, MODE) MORE_TILES(MODE) }
 
 /* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed in `mode`
- * (F32, BF16, PAIRS); y has row stride ldy. Threads split the tiles of GROUP blocks; a tile
+ * (F32, BF16, PAIRS, I8); y has row stride ldy. Threads split the tiles of GROUP blocks; a tile
  * runs its rows ROWS at a time (as evenly as that allows), so its weights come from memory
  * once and from cache for the other passes. Returns 0, or -1 when out of memory. */
 int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const float *bias,
@@ -240,7 +273,10 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
                      int nthreads) {
     /* an input row: in_x floats or bfloat16 pairs, 4 bytes each; a packed input: a float or
      * a pair of bfloat16 values per column */
-    const int64_t in_x = mode == PAIRS ? (in + 1) / 2 : in, in_w = mode == F32 ? in : (in + 1) / 2;
+    const int64_t in_x = mode == PAIRS ? (in + 1) / 2 : in;
+    /* bytes of a packed group of GROUP VL columns */
+    const int64_t group_bytes = mode == I8 ? (in + 4) * GROUP * VL
+                                : (mode == F32 ? in : (in + 1) / 2) * GROUP * VL * 4;
     if (T == 0) return 0;
     const void *xs = x;
     uint32_t *pairs = NULL;
@@ -254,7 +290,7 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t c = 0; c < ntiles; c++) {
         float buf[ROWS * GROUP * VL];
-        const void *wt = (const char *)wp + c * in_w * GROUP * VL * 4;
+        const void *wt = (const char *)wp + c * group_bytes;
         const int64_t o0 = c * width, m = out - o0 < width ? out - o0 : width;
         for (int64_t k = 0, t0 = 0; k < passes; k++) {
             const int64_t n = T / passes + (k < T % passes);
@@ -263,6 +299,8 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
                 TILES(PAIRS)
             } else if (mode == BF16) {
                 TILES(BF16)
+            } else if (mode == I8) {
+                TILES(I8)
             } else {
                 TILES(F32)
             }
@@ -460,7 +498,7 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t attn_in;        /* width of the attention input (EAGLE-3: 2 * hidden) */
     int64_t max_len;        /* KV positions per slot */
-    int64_t mode;           /* how the four weight matrices are packed: F32, BF16, PAIRS */
+    int64_t mode;           /* how the four weight matrices are packed: F32, BF16, PAIRS, I8 */
     int64_t rot_stride;     /* floats from one row's cos (or sin) to the next row's */
     float eps, scale;
 } Shape;
