@@ -64,6 +64,7 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
             res = results[r.name]
             res.tau, res.acceptance_rate, res.per_pos, res.draft_ms = acc
         results[r.name].note = r.note()
+        results[r.name].resident_mb = getattr(r, "resident_mb", None)
     return [res for res in results.values() if res.tokens_per_s]
 
 
@@ -133,12 +134,13 @@ def main(argv: list[str]) -> None:
                 runners += [SpecserveRunner(f"specserve {m} ({_k_label(spec)}){tag}", model, spec,
                                             d, device=dev) for m, (model, spec) in specs.items()]
             if not a.no_transformers and batch == 1:
+                dtype_hf = "bfloat16" if dtype == "int8" else dtype     # no int8 there
                 runners += [TransformersRunner("transformers generate()", a.target, None, None,
-                                               dtype, dev),
+                                               dtype_hf, dev),
                             TransformersRunner("transformers assisted (draft, K dynamic)",
-                                               a.target, a.draft, None, dtype, dev),
+                                               a.target, a.draft, None, dtype_hf, dev),
                             TransformersRunner(f"transformers prompt lookup ({K})", a.target,
-                                               None, K, dtype, dev)]
+                                               None, K, dtype_hf, dev)]
             key = f"{set_name}, batch {batch}"
             print(f"== {key}", flush=True)
             all_results[key] = run_suite(runners, prompts, batch, a.max_tokens, a.rounds,
@@ -152,6 +154,8 @@ def main(argv: list[str]) -> None:
     floor_runners += [SpecserveRunner(f"specserve no-spec, {d}", a.target, None, d, device=dev)
                       for d in dtypes[1:]]
     decode = {r.name: decode_ms_per_token(r.llm) for r in floor_runners}
+    resident = {r.name: r.resident_mb for r in floor_runners}
+    streamed_by = {r.name: weight_bytes(r.llm.engine.model, streamed=True) for r in floor_runners}
     lengths = [n for n in (64, 256, 512)
                if n < floor_runners[0].llm.engine.max_model_len]
     prefill = {r.name: [prompt_ms(r.llm, n) for n in lengths] for r in floor_runners}
@@ -168,7 +172,8 @@ def main(argv: list[str]) -> None:
                          "speculative_config_extra": a.spec_extra,
                          "configs": {m: spec for m, (_, spec) in specs.items()}},
             "bandwidth_gbs": bw, "weight_bytes": wb, "weight_bytes_streamed": streamed,
-            "decode_ms_per_token": decode,
+            "decode_ms_per_token": decode, "resident_mb": resident,
+            "weight_bytes_streamed_by_config": streamed_by,
             "prompt_ms": {"lengths": lengths, "by_config": prefill},
             "suites": {key: [r.as_dict() for r in results]
                        for key, results in all_results.items()}}

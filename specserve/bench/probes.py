@@ -18,6 +18,16 @@ from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
 
+def resident_bytes() -> int | None:
+    """This process's resident memory now (Linux's VmRSS), or None where it cannot be read."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    line = next((ln for ln in status.splitlines() if ln.startswith("VmRSS:")), None)
+    return None if line is None else int(line.split()[1]) * 1024
+
+
 def memory_bandwidth_gbs(device: str = "cpu", mb: int = 512, repeats: int = 5) -> float:
     """Read bandwidth of `device` measured by summing a large float32 tensor (best of
     `repeats`; 4x the size on a GPU, whose caches hold far more)."""

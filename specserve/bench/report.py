@@ -72,13 +72,17 @@ def _header(data: dict) -> list[str]:
             f"- command: `{data['command']}`"]
 
 
+def _mb(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}"
+
+
 def latency_table(results: list[dict]) -> str:
     """One suite: a row per configuration with its speedups over no-spec."""
     ref = next(r for r in results if r["name"] == BASE)
     rows = ["| configuration | tokens/s (median) | speedup vs no-spec | TPOT ms (median) "
             "| decode speedup | tau | efficiency | acceptance rate | per-position acceptance "
-            "| drafting ms/step | greedy output = no-spec |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+            "| drafting ms/step | greedy output = no-spec | resident MB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in results:
         name = r["name"] if r["note"] is None else f"{r['name']}, {r['note']}"
         tpot, tau, rate = r["median_tpot_ms"], r["tau"], r["acceptance_rate"]
@@ -94,8 +98,18 @@ def latency_table(results: list[dict]) -> str:
             f"{'' if tpot is None else f'{tpot:.2f}'} | {decode} | "
             f"{'' if tau is None else f'{tau:.2f}'} | {efficiency} | "
             f"{'' if rate is None else f'{rate:.1%}'} | {pp} | {draft} | "
-            f"{r['same_output'] or ''} |")
+            f"{r['same_output'] or ''} | {_mb(r.get('resident_mb'))} |")
     return "\n".join(rows)
+
+
+def _floor(data: dict, name: str) -> str:
+    """" (floor F ms, R MB resident)": the configuration's bytes streamed per step over the
+    measured bandwidth, and the memory its engine took (newer runs only)."""
+    streamed = data.get("weight_bytes_streamed_by_config", {}).get(name)
+    resident = data.get("resident_mb", {}).get(name)
+    parts = ([] if streamed is None else [f"floor {streamed / data['bandwidth_gbs'] / 1e6:.2f} ms"]
+             ) + ([] if resident is None else [f"{resident:.0f} MB resident"])
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _latency_markdown(data: dict) -> list[str]:
@@ -109,7 +123,8 @@ def _latency_markdown(data: dict) -> list[str]:
              f"{wb / 1e6:.1f} MB ({data['weight_bytes_streamed'] / 1e6:.1f} MB as the CPU kernel "
              f"streams them): bandwidth floor {wb / bw / 1e6:.2f} ms/token",
              "- batch-1 greedy decode alone (prompt time taken out): " + "; ".join(
-                 f"{name} {ms:.2f} ms/token" for name, ms in data["decode_ms_per_token"].items()),
+                 f"{name} {ms:.2f} ms/token" + _floor(data, name)
+                 for name, ms in data["decode_ms_per_token"].items()),
              f"- time to the first token of a {' / '.join(map(str, data['prompt_ms']['lengths']))}"
              "-token prompt: " + "; ".join(
                  f"{name} {' / '.join(f'{ms:.1f}' for ms in times)} ms"

@@ -3,11 +3,13 @@ with the same interface, and the result a suite collects for each."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from specserve.bench.probes import resident_bytes
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
@@ -25,6 +27,7 @@ class Result:
     same_output: str | None = None      # prompts whose greedy tokens equal no-spec's, "7/8"
     draft_ms: float | None = None       # the proposer's time per drafting step
     note: str | None = None             # what the runner reports beside its name (`note()`)
+    resident_mb: float | None = None    # resident memory its engine added when it loaded
 
     @property
     def median(self) -> float:
@@ -43,9 +46,17 @@ class SpecserveRunner:
                  cpu_kernel: bool = True, device: str = "cpu", enforce_eager: bool = False,
                  tensor_parallel_size: int = 1) -> None:
         self.name = name
-        self.llm = LLM(target, speculative_config=spec, dtype=dtype, device=device, freeze_gc=True,
+        gc.collect()
+        before = resident_bytes()
+        # "int8": the checkpoint's bfloat16 weights quantized at load (quantization="int8")
+        self.llm = LLM(target, speculative_config=spec, device=device, freeze_gc=True,
                        max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel,
-                       enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size)
+                       enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                       **({"dtype": "bfloat16", "quantization": "int8"} if dtype == "int8"
+                          else {"dtype": dtype}))
+        after = resident_bytes()
+        # this process's share (tensor-parallel workers hold their shards in their own)
+        self.resident_mb = None if before is None else (after - before) / 1e6
         self.spec, self.dtype = spec, dtype
         self.tpots: list[float] = []        # ms per decoded token of each request this round
 

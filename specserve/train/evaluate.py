@@ -63,6 +63,7 @@ def zoo_report(models: str = "models", results: str | None = None) -> dict:
     top1 = greedy_top1_probs(outs)
     report = {
         "target_val_bits_per_byte": round(measure_bpb(Path(target)), 4),
+        "target_val_bits_per_byte_int8": round(measure_bpb(Path(target), quantization="int8"), 4),
         "draft_val_bits_per_byte": round(measure_bpb(Path(draft)), 4),
         "target_distinct_4gram_share_min": round(min(shares), 3),
         "target_distinct_4gram_share_mean": round(sum(shares) / len(shares), 3),

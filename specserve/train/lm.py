@@ -18,6 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from specserve.config import resolve_device
 from specserve.data.corpus import Corpus, encode_files
+from specserve.models.layers import use_decode_linears
 from specserve.models.llama import LlamaArgs, LlamaForCausalLM
 from specserve.models.loader import load_model, save_model
 from specserve.train.bpe import EOS, save_tokenizer, train_bpe
@@ -170,10 +171,14 @@ def train_draft(cfg: TrainConfig, shape: ModelShape, target_dir: Path, out: Path
                             lm_loss(model, teacher, cfg.kd_alpha), target_dir, out)
 
 
-def measure_bpb(model_dir: Path, device: str = "cpu", corpus: Corpus | None = None) -> float:
-    """Validation bits per byte of a saved model on the held-out corpus files."""
+def measure_bpb(model_dir: Path, device: str = "cpu", corpus: Corpus | None = None,
+                quantization: str | None = None) -> float:
+    """Validation bits per byte of a saved model on the held-out corpus files (`quantization`:
+    with its weights quantized as the engine would, through the CPU kernel)."""
     dev = resolve_device(device)
     model = load_model(model_dir, torch.float32, dev)
+    if quantization is not None:
+        model = use_decode_linears(model, quantization=quantization)
     tok = HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
     val_ids, val_bytes = encode_files(tok, (corpus or Corpus.stdlib()).val_files,
                                       tok.token_to_id(EOS))
