@@ -15,7 +15,7 @@ The C file is compiled on first use with the machine's C compiler (`$CC`, defaul
 `$CFLAGS` go last, so `CFLAGS=-march=haswell` builds for AVX2 on an AVX-512 machine) into
 `~/.cache/specserve/kernels` (or `$XDG_CACHE_HOME`); where that fails, a warning says so and
 the PyTorch path runs. Prompt chunks longer than `max_rows(lib)` (512 with AVX-512, 48 with
-AVX2) take the PyTorch path.
+AVX2) run layer by layer in PyTorch, their matrix products still in `linear_rows`.
 """
 
 from __future__ import annotations

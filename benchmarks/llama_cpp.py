@@ -1,0 +1,228 @@
+"""specserve against llama.cpp on the same weights, side by side in one run (CPU, batch 1,
+greedy). Not a test; CI does not run it.
+
+    python benchmarks/llama_cpp.py [--random llama-3.2-1b] [--tokens 128] [--publish]
+
+1. Builds llama.cpp from the llama-cpp-python source distribution on PyPI (its vendored
+   llama.cpp; `llama-bench`, `llama-speculative-simple`) under runs/llama.cpp/, once.
+2. Converts the bundled target and draft (and a random-weight model of a real shape, where
+   decoding is bound by reading weights) to GGUF with llama.cpp's convert_hf_to_gguf.py, in
+   BF16 and Q8_0. The zoo's byte-level BPE is GPT-2's pre-tokenizer, which the converter cannot
+   recognise by its hash of the tokens: it is told so.
+3. Decode speed, prompt time left out, in tokens/s:
+   - llama.cpp plain: `llama-bench -p 0 -n TOKENS` (its mean);
+   - llama.cpp speculative: `llama-speculative-simple` with the draft (greedy, draft-max K),
+     the median over the held-out completion prompts of its "decoded ... t/s";
+   - specserve: the median over the same prompts of the time per output token after the first
+     (no-spec, draft_model and eagle3; bfloat16 beside BF16, int8 beside Q8_0).
+Writes runs/llama_cpp/llama-cpp-DATE.{json,md}; with --publish, benchmarks/latest/llama-cpp.*
+and a line in benchmarks/HISTORY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.bench.probes import machine
+from specserve.bench.random_models import resolve
+from specserve.data.prompts import PROMPT_SETS
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / "runs" / "llama.cpp"
+PACKAGE = "llama-cpp-python"
+TOOLS = ("llama-bench", "llama-speculative-simple")
+# the specserve side's quantization beside each GGUF type
+PRECISIONS = {"bf16": {"dtype": "bfloat16"},
+              "q8_0": {"dtype": "bfloat16", "quantization": "int8"}}
+
+
+def run(cmd: list[str], **kw) -> str:
+    print("$", " ".join(map(str, cmd)), flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if out.returncode:
+        raise SystemExit(f"{cmd[0]} failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return out.stdout + out.stderr
+
+
+def build() -> Path:
+    """llama.cpp's directory (the vendored copy in the sdist), its tools built."""
+    bins = WORK / "build" / "bin"
+    sources = sorted(WORK.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    if sources and all((bins / t).is_file() for t in TOOLS):
+        return sources[-1]
+    WORK.mkdir(parents=True, exist_ok=True)
+    if not sources:
+        run([sys.executable, "-m", "pip", "download", PACKAGE, "--no-deps", "--no-binary",
+             ":all:", "-d", str(WORK)])
+        sdist = sorted(WORK.glob("llama_cpp_python-*.tar.gz"))[-1]
+        with tarfile.open(sdist) as t:
+            t.extractall(WORK, filter="data")
+        sources = sorted(WORK.glob("llama_cpp_python-*/vendor/llama.cpp"))
+    src = sources[-1]
+    run(["cmake", "-S", str(src), "-B", str(WORK / "build"), "-DCMAKE_BUILD_TYPE=Release",
+         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+         "-DLLAMA_OPENSSL=OFF"])
+    run(["cmake", "--build", str(WORK / "build"), "--target", *TOOLS, "-j",
+         str(os.cpu_count() or 2)])
+    return src
+
+
+_CONVERT = """
+import sys
+sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
+import conversion.base
+# the zoo's tokenizer: byte-level BPE with GPT-2's pre-tokenizer (unknown to the hash list)
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+import convert_hf_to_gguf
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+convert_hf_to_gguf.main()
+"""
+
+
+def gguf(src: Path, model_dir: str, outtype: str) -> Path:
+    out = WORK / "gguf" / f"{Path(model_dir).name}-{outtype}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        run([sys.executable, "-c", _CONVERT, str(src), model_dir, "--outtype", outtype,
+             "--outfile", str(out)])
+    return out
+
+
+def llama_plain(model: Path, tokens: int, threads: int) -> float:
+    out = run([str(WORK / "build" / "bin" / "llama-bench"), "-m", str(model), "-p", "0", "-n",
+               str(tokens), "-t", str(threads), "-r", "3", "-o", "json"])
+    rows = json.loads(out[out.index("["):out.rindex("]") + 1])
+    return float(rows[0]["avg_ts"])
+
+
+def llama_speculative(target: Path, draft: Path, prompts: list[str], tokens: int, k: int,
+                      threads: int) -> float:
+    speeds = []
+    for p in prompts:
+        out = run([str(WORK / "build" / "bin" / "llama-speculative-simple"), "-m", str(target),
+                   "-md", str(draft), "-p", p, "-n", str(tokens), "--draft-max", str(k),
+                   "--draft-min", "0", "--temp", "0", "-t", str(threads), "-td", str(threads),
+                   "-c", "1024", "-cd", "1024", "--no-warmup"])
+        speeds.append(float(re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+"
+                                      r"([\d.]+) t/s", out)[1]))
+    return statistics.median(speeds)
+
+
+def specserve_decode(target: str, spec: dict | None, precision: dict, prompts: list[str],
+                     tokens: int) -> float:
+    """tokens/s after the first token, median over prompts (the second of two passes)."""
+    llm = LLM(target, device="cpu", speculative_config=spec, max_num_seqs=1, freeze_gc=True,
+              **precision)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for _ in range(2):
+        outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    return statistics.median((len(o.outputs[0].token_ids) - 1)
+                             / (o.metrics["finish_time"] - o.metrics["first_token_time"])
+                             for o in outs)
+
+
+def markdown(data: dict) -> str:
+    m = data["machine"]
+    lines = [f"## {data['title']}", "",
+             f"- {m['date']}, commit {m['commit']}; {m['cpu']} ({m['cpus']} CPUs), "
+             f"{data['threads']} threads; llama.cpp from {data['llama_cpp']}",
+             f"- command: `{data['command']}`",
+             f"- batch 1, greedy, decode tokens/s after the first token; K={data['k']}; "
+             f"{data['tokens']} new tokens, {data['num_prompts']} held-out completion prompts", ""]
+    for name, rows in data["models"].items():
+        best_l = max(v["llama.cpp"] for configs in rows.values() for v in configs.values()
+                     if "llama.cpp" in v)
+        lines += [f"### {name}", "", "| precision | configuration | llama.cpp t/s | specserve t/s "
+                  "| specserve / llama.cpp | vs llama.cpp's best |", "|---|---|---:|---:|---:|---:|"]
+        for prec, configs in rows.items():
+            for config, v in configs.items():
+                l, s = v.get("llama.cpp"), v.get("specserve")
+                ratio = "" if l is None or s is None else f"{s / l:.2f}x"
+                best = "" if s is None else f"{s / best_l:.2f}x"
+                lines.append(f"| {prec} | {config} | {'' if l is None else f'{l:.1f}'} | "
+                             f"{'' if s is None else f'{s:.1f}'} | {ratio} | {best} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="models/code-target")
+    p.add_argument("--draft", default="models/code-draft")
+    p.add_argument("--head", default="models/code-target-eagle3")
+    p.add_argument("--random", default="llama-3.2-1b",
+                   help="a random-weight shape for plain decode where it is memory-bound "
+                        "('' = none)")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--publish", action="store_true")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    os.chdir(REPO)
+    src = build()
+    prompts = PROMPT_SETS["completion"](a.num_prompts)
+    models: dict[str, dict] = {}
+    bundled: dict[str, dict] = {}
+    for outtype, precision in PRECISIONS.items():
+        t, d = gguf(src, a.target, outtype), gguf(src, a.draft, outtype)
+        bundled[outtype] = {
+            "no speculation": {
+                "llama.cpp": llama_plain(t, a.tokens, a.threads),
+                "specserve": specserve_decode(a.target, None, precision, prompts, a.tokens)},
+            f"draft model (code-draft), K={a.k}": {
+                "llama.cpp": llama_speculative(t, d, prompts, a.tokens, a.k, a.threads),
+                "specserve": specserve_decode(a.target, {
+                    "method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k},
+                    precision, prompts, a.tokens)},
+            f"EAGLE-3 head, K={a.k} (specserve only)": {
+                "specserve": specserve_decode(a.target, {
+                    "method": "eagle3", "model": a.head, "num_speculative_tokens": a.k},
+                    precision, prompts, a.tokens)}}
+    models[f"bundled pair ({a.target}, {a.draft})"] = bundled
+    if a.random:
+        target = resolve("random:" + a.random, a.target)
+        models[f"random:{a.random} (memory-bound)"] = {outtype: {"no speculation": {
+            "llama.cpp": llama_plain(gguf(src, target, outtype), a.tokens, a.threads),
+            "specserve": specserve_decode(target, None, precision, prompts[:2], a.tokens)}}
+            for outtype, precision in PRECISIONS.items()}
+    data = {"benchmark": "llama-cpp", "title": "specserve against llama.cpp (CPU, same weights)",
+            "command": "python benchmarks/llama_cpp.py " + " ".join(sys.argv[1:]),
+            "machine": machine(a.threads),
+            "llama_cpp": src.parent.parent.name, "threads": a.threads, "k": a.k,
+            "tokens": a.tokens, "num_prompts": a.num_prompts, "models": models}
+    stem = f"llama-cpp-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    out = REPO / "runs" / "llama_cpp"
+    out.mkdir(parents=True, exist_ok=True)
+    table = markdown(data)
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)
+    if a.publish:
+        latest = REPO / "benchmarks" / "latest"
+        (latest / "llama-cpp.json").write_text(json.dumps(data, indent=2) + "\n")
+        (latest / "llama-cpp.md").write_text(table + "\n")
+        with (REPO / "benchmarks" / "HISTORY.md").open("a") as f:
+            f.write(f"- {data['machine']['date']} {data['machine']['commit']} llama-cpp: "
+                    + "; ".join(f"{name}: " + ", ".join(
+                        f"{prec} {cfg.split(',')[0]} {v.get('specserve', 0) / v['llama.cpp']:.2f}x"
+                        for prec, cfgs in rows.items() for cfg, v in cfgs.items()
+                        if "llama.cpp" in v and "specserve" in v)
+                        for name, rows in models.items()) + "\n")
+
+
+if __name__ == "__main__":
+    main()
