@@ -22,6 +22,7 @@ from specserve.bench.probes import (
     machine,
     memory_bandwidth_gbs,
     prompt_ms,
+    step_ms,
     weight_bytes,
 )
 from specserve.bench.runners import Result, SpecserveRunner, TransformersRunner
@@ -155,6 +156,8 @@ def main(argv: list[str]) -> None:
                       for d in dtypes[1:]]
     decode = {r.name: decode_ms_per_token(r.llm) for r in floor_runners}
     resident = {r.name: r.resident_mb for r in floor_runners}
+    step_rows = [1, 2, 4, 5, 8, 16]
+    steps = {r.name: [step_ms(r.llm, n) for n in step_rows] for r in floor_runners}
     streamed_by = {r.name: weight_bytes(r.llm.engine.model, streamed=True) for r in floor_runners}
     lengths = [n for n in (64, 256, 512)
                if n < floor_runners[0].llm.engine.max_model_len]
@@ -174,6 +177,7 @@ def main(argv: list[str]) -> None:
             "bandwidth_gbs": bw, "weight_bytes": wb, "weight_bytes_streamed": streamed,
             "decode_ms_per_token": decode, "resident_mb": resident,
             "weight_bytes_streamed_by_config": streamed_by,
+            "step_ms": {"rows": step_rows, "by_config": steps},
             "prompt_ms": {"lengths": lengths, "by_config": prefill},
             "suites": {key: [r.as_dict() for r in results]
                        for key, results in all_results.items()}}

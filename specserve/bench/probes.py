@@ -15,6 +15,7 @@ import torch
 
 from specserve.inputs import TokensPrompt
 from specserve.llm import LLM
+from specserve.models.metadata import build_metadata
 from specserve.sampling_params import SamplingParams
 
 
@@ -75,6 +76,24 @@ def decode_ms_per_token(llm, tokens: int = 128, repeats: int = 5) -> float:
     greedy_seconds(llm, 8)
     return statistics.median((greedy_seconds(llm, tokens) - greedy_seconds(llm, 1))
                              / (tokens - 1) for _ in range(repeats)) * 1e3
+
+
+@torch.inference_mode()
+def step_ms(llm, rows: int, context: int = 64, repeats: int = 7) -> float:
+    """Median time of one target step of `rows` new tokens of one request after `context`
+    cached ones, logits included: a decode (1 row) or the verify of rows - 1 drafts."""
+    engine = llm.engine
+    model, dev = engine.model, engine.device
+    ids = torch.arange(10, 10 + rows, device=dev)
+    md, pos = build_metadata([context], [rows], [0], dev)
+    times = []
+    for _ in range(repeats + 1):                          # the first run warms up
+        _sync(dev)
+        t = time.perf_counter()
+        model.compute_logits(model(ids, pos, md, engine.cache.layers))
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1e3
 
 
 def cpu_name() -> str:

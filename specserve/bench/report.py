@@ -112,6 +112,18 @@ def _floor(data: dict, name: str) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def _step_costs(data: dict) -> list[str]:
+    """"- one target step of 1 / 2 / ... rows: ..." (what a verify of K drafts costs beside a
+    decode), for runs that measured it."""
+    if "step_ms" not in data:
+        return []
+    rows = data["step_ms"]["rows"]
+    return [f"- one target step of {' / '.join(map(str, rows))} rows (a decode, then verifies): "
+            + "; ".join(f"{name} {' / '.join(f'{ms:.1f}' for ms in times)} ms "
+                        f"({' / '.join(f'{ms / times[0]:.2f}' for ms in times[1:])}x one row)"
+                        for name, times in data["step_ms"]["by_config"].items())]
+
+
 def _latency_markdown(data: dict) -> list[str]:
     s = data["settings"]
     bw, wb = data["bandwidth_gbs"], data["weight_bytes"]
@@ -125,6 +137,7 @@ def _latency_markdown(data: dict) -> list[str]:
              "- batch-1 greedy decode alone (prompt time taken out): " + "; ".join(
                  f"{name} {ms:.2f} ms/token" + _floor(data, name)
                  for name, ms in data["decode_ms_per_token"].items()),
+             *_step_costs(data),
              f"- time to the first token of a {' / '.join(map(str, data['prompt_ms']['lengths']))}"
              "-token prompt: " + "; ".join(
                  f"{name} {' / '.join(f'{ms:.1f}' for ms in times)} ms"
