@@ -71,9 +71,10 @@ def build() -> Path:
             t.extractall(WORK, filter="data")
         sources = sorted(WORK.glob("llama_cpp_python-*/vendor/llama.cpp"))
     src = sources[-1]
+    # nothing fetched at build time (no web UI, no HTTPS), only the two tools
     run(["cmake", "-S", str(src), "-B", str(WORK / "build"), "-DCMAKE_BUILD_TYPE=Release",
-         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-         "-DLLAMA_OPENSSL=OFF"])
+         "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+         "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"])
     run(["cmake", "--build", str(WORK / "build"), "--target", *TOOLS, "-j",
          str(os.cpu_count() or 2)])
     return src

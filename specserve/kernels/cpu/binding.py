@@ -141,7 +141,7 @@ def load_library() -> ctypes.CDLL | None:
         if size() != ctypes.sizeof(args):
             raise RuntimeError(f"specserve: kernel.c's argument struct of specserve_{name} and "
                                "binding.py's differ; update them together")
-    for fn in (lib.specserve_block, lib.specserve_max_rows):
+    for fn in (lib.specserve_block, lib.specserve_max_rows, lib.specserve_amx):
         fn.argtypes, fn.restype = [], ctypes.c_int
     return lib
 
@@ -151,7 +151,8 @@ def cpu_features(lib: ctypes.CDLL) -> str:
     flags = _cpu_id().split()
     width = "AVX-512" if lib.specserve_block() == 16 else "AVX2" if lib.specserve_block() == 8 \
         else f"{lib.specserve_block()}-wide vectors"
-    return width + (" with AVX512-BF16" if "avx512_bf16" in flags else "")
+    return (width + (" with AVX512-BF16" if "avx512_bf16" in flags else "")
+            + (" and AMX tiles" if lib.specserve_amx() else ""))
 
 
 @functools.cache

@@ -279,7 +279,8 @@ static inline void put_rows(const float *buf, int64_t n, int64_t m, const float 
         }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && VL == 16 && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && VL == 16 \
+    && defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define HAVE_AMX 1
@@ -369,6 +370,15 @@ static void linear_amx(const uint32_t *x, int64_t T, const uint32_t *wp, const f
     }
 }
 #endif
+
+/* 1 when bfloat16-pair products of inputs a multiple of 32 wide run on AMX tiles */
+int specserve_amx(void) {
+#ifdef HAVE_AMX
+    return amx_enabled();
+#else
+    return 0;
+#endif
+}
 
 /* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed in `mode`
  * (F32, BF16, PAIRS, I8); y has row stride ldy. Threads split the tiles of GROUP blocks; a tile
