@@ -84,8 +84,11 @@ _CONVERT = """
 import sys
 sys.path[:0] = [sys.argv[1], sys.argv[1] + "/gguf-py"]
 import conversion.base
-# the zoo's tokenizer: byte-level BPE with GPT-2's pre-tokenizer (unknown to the hash list)
+import conversion.llama
+# the zoo's tokenizer: byte-level BPE with GPT-2's pre-tokenizer (unknown to the hash list),
+# no sentencepiece model to try first
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+conversion.llama.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
 import convert_hf_to_gguf
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
 convert_hf_to_gguf.main()
