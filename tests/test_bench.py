@@ -55,6 +55,7 @@ def test_method_plus_tree_drafts_the_token_tree():
     assert got["eagle3+tree"][1] == {"method": "eagle3", "model": "models/code-target-eagle3",
                                      "speculative_token_tree": tree}
     assert got["mtp+tree@old/mtp"][0] == "old/mtp"
+    assert configs(_args("--methods", "eagle3+int8"))["eagle3+int8"][1]["quantization"] == "int8"
     with pytest.raises(SystemExit, match="needs --token-tree"):
         configs(_args("--methods", "eagle3+tree"))
     for bad in ("eagle3+wide", "eagle3+k=x", "eagle3+conf", "eagle3+lookup=x"):

@@ -11,6 +11,7 @@ per-position acceptance, and whether greedy output equals no-spec's. A run write
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -147,6 +148,12 @@ def main(argv: list[str]) -> None:
             all_results[key] = run_suite(runners, prompts, batch, a.max_tokens, a.rounds,
                                          a.temperature)
             print(report.latency_table([r.as_dict() for r in all_results[key]]), flush=True)
+            for r in runners:           # free their engines before the next ones load
+                close = getattr(getattr(r, "llm", None), "engine", None)
+                if close is not None:
+                    close.close()
+            del runners
+            gc.collect()
     # Decode alone against the bandwidth floor (tokens/s above include the prompts' prefill).
     floor_runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype, device=dev)]
     if a.pytorch_path:
