@@ -116,9 +116,9 @@ def llama_speculative(target: Path, draft: Path, prompts: list[str], tokens: int
     speeds = []
     for p in prompts:
         out = run([str(WORK / "build" / "bin" / "llama-speculative-simple"), "-m", str(target),
-                   "-md", str(draft), "-p", p, "-n", str(tokens), "--draft-max", str(k),
-                   "--draft-min", "0", "--temp", "0", "-t", str(threads), "-td", str(threads),
-                   "-c", "1024", "-cd", "1024", "--no-warmup"])
+                   "-md", str(draft), "--spec-type", "draft-simple", "-p", p, "-n", str(tokens),
+                   "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--temp", "0",
+                   "-t", str(threads), "-td", str(threads), "-c", "1024"])
         speeds.append(float(re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+"
                                       r"([\d.]+) t/s", out)[1]))
     return statistics.median(speeds)
