@@ -11,6 +11,7 @@ per-position acceptance, and whether greedy output equals no-spec's. A run write
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import time
 
@@ -111,29 +112,32 @@ def main(argv: list[str]) -> None:
     dtype = dtypes[0]
     all_results: dict[str, list[Result]] = {}
     dev = a.device
+    batches = [int(b) for b in a.batch_sizes.split(",")]
+    # KV slots for the largest batch only: a 1B target's 16 slots of 1024 positions take 1 GB
+    Runner = functools.partial(SpecserveRunner, max_num_seqs=max(batches))
     bw = memory_bandwidth_gbs(dev)
     for set_name in a.prompt_sets.split(","):
         prompts = PROMPT_SETS[set_name](a.num_prompts)
-        for batch in [int(b) for b in a.batch_sizes.split(",")]:
+        for batch in batches:
             # Fresh engines per suite so acceptance statistics belong to this suite only.
-            runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype, device=dev)]
+            runners = [Runner("specserve no-spec", a.target, None, dtype, device=dev)]
             if a.pytorch_path:
-                runners.append(SpecserveRunner("specserve no-spec, PyTorch path", a.target,
+                runners.append(Runner("specserve no-spec, PyTorch path", a.target,
                                                None, dtype, cpu_kernel=False, device=dev))
             if a.eager:
-                runners.append(SpecserveRunner("specserve no-spec, eager", a.target, None, dtype,
+                runners.append(Runner("specserve no-spec, eager", a.target, None, dtype,
                                                device=dev, enforce_eager=True))
             if a.tensor_parallel_size > 1:
                 tp = a.tensor_parallel_size
-                runners.append(SpecserveRunner(f"specserve no-spec, tensor parallel {tp}",
+                runners.append(Runner(f"specserve no-spec, tensor parallel {tp}",
                                                a.target, None, dtype, device=dev,
                                                tensor_parallel_size=tp))
             for d in dtypes:                  # the first dtype unnamed; each further one named
                 tag = "" if d == dtype else f", {d}"
                 if tag:
-                    runners.append(SpecserveRunner(f"specserve no-spec{tag}", a.target, None, d,
+                    runners.append(Runner(f"specserve no-spec{tag}", a.target, None, d,
                                                    device=dev))
-                runners += [SpecserveRunner(f"specserve {m} ({_k_label(spec)}){tag}", model, spec,
+                runners += [Runner(f"specserve {m} ({_k_label(spec)}){tag}", model, spec,
                                             d, device=dev) for m, (model, spec) in specs.items()]
             if not a.no_transformers and batch == 1:
                 dtype_hf = "bfloat16" if dtype == "int8" else dtype     # no int8 there
@@ -155,11 +159,11 @@ def main(argv: list[str]) -> None:
             del runners
             gc.collect()
     # Decode alone against the bandwidth floor (tokens/s above include the prompts' prefill).
-    floor_runners = [SpecserveRunner("specserve no-spec", a.target, None, dtype, device=dev)]
+    floor_runners = [Runner("specserve no-spec", a.target, None, dtype, device=dev)]
     if a.pytorch_path:
-        floor_runners.append(SpecserveRunner("specserve no-spec, PyTorch path", a.target, None,
+        floor_runners.append(Runner("specserve no-spec, PyTorch path", a.target, None,
                                              dtype, cpu_kernel=False, device=dev))
-    floor_runners += [SpecserveRunner(f"specserve no-spec, {d}", a.target, None, d, device=dev)
+    floor_runners += [Runner(f"specserve no-spec, {d}", a.target, None, d, device=dev)
                       for d in dtypes[1:]]
     decode = {r.name: decode_ms_per_token(r.llm) for r in floor_runners}
     resident = {r.name: r.resident_mb for r in floor_runners}

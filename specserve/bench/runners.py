@@ -11,6 +11,7 @@ import torch
 
 from specserve.bench.probes import resident_bytes
 from specserve.llm import LLM
+from specserve.models.backend import release_freed_memory
 from specserve.sampling_params import SamplingParams
 
 
@@ -44,13 +45,15 @@ class Result:
 class SpecserveRunner:
     def __init__(self, name: str, target: str, spec: dict | None, dtype: str,
                  cpu_kernel: bool = True, device: str = "cpu", enforce_eager: bool = False,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, max_num_seqs: int = 16) -> None:
         self.name = name
         gc.collect()
+        release_freed_memory()          # what earlier engines freed must not count against it
         before = resident_bytes()
         # "int8": the checkpoint's bfloat16 weights quantized at load (quantization="int8")
         self.llm = LLM(target, speculative_config=spec, device=device, freeze_gc=True,
-                       max_num_seqs=16, max_num_batched_tokens=2048, cpu_kernel=cpu_kernel,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+                       cpu_kernel=cpu_kernel,
                        enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
                        **({"dtype": "bfloat16", "quantization": "int8"} if dtype == "int8"
                           else {"dtype": dtype}))

@@ -32,7 +32,7 @@ class Backend:
         model = use_decode_linears(model.to(device=self.device, dtype=self.dtype).eval(),
                                    self.cpu_kernel, self.quantization)
         if self.device.type == "cpu":
-            _release_freed_memory()
+            release_freed_memory()
         return model
 
     def graphs(self, model: nn.Module, cache: KVCache, max_batch: int) -> CudaGraphs | None:
@@ -54,7 +54,7 @@ class Backend:
         return "pytorch cpu (oneDNN linears)" if linears else "pytorch cpu"
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Give the heap's free pages back to the system (glibc's malloc_trim): the checkpoint's
     tensors and the packing's temporaries, freed by now, would otherwise stay resident."""
     try:
