@@ -151,7 +151,8 @@ def main(argv: list[str]) -> None:
             print(f"== {key}", flush=True)
             all_results[key] = run_suite(runners, prompts, batch, a.max_tokens, a.rounds,
                                          a.temperature)
-            print(report.latency_table([r.as_dict() for r in all_results[key]]), flush=True)
+            print(report.latency_table([r.as_dict() for r in all_results[key]], dtypes),
+                  flush=True)
             for r in runners:           # free their engines before the next ones load
                 close = getattr(getattr(r, "llm", None), "engine", None)
                 if close is not None:

@@ -76,17 +76,21 @@ def _mb(value: float | None) -> str:
     return "" if value is None else f"{value:.0f}"
 
 
-def latency_table(results: list[dict]) -> str:
-    """One suite: a row per configuration with its speedups over no-spec."""
+def latency_table(results: list[dict], dtypes: list[str] = ()) -> str:
+    """One suite: a row per configuration with its speedups over no-spec (tokens/s: the first
+    dtype's; decode speedup and efficiency: its own dtype's, named ", DTYPE" after the first)."""
     ref = next(r for r in results if r["name"] == BASE)
+    own = {d: next((r for r in results if r["name"] == f"{BASE}, {d}"), ref) for d in dtypes[1:]}
     rows = ["| configuration | tokens/s (median) | speedup vs no-spec | TPOT ms (median) "
-            "| decode speedup | tau | efficiency | acceptance rate | per-position acceptance "
+            "| decode speedup (own dtype) | tau | efficiency | acceptance rate "
+            "| per-position acceptance "
             "| drafting ms/step | greedy output = no-spec | resident MB |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in results:
         name = r["name"] if r["note"] is None else f"{r['name']}, {r['note']}"
         tpot, tau, rate = r["median_tpot_ms"], r["tau"], r["acceptance_rate"]
-        speedup = ref["median_tpot_ms"] / tpot if tpot and ref["median_tpot_ms"] else None
+        base = next((b for d, b in own.items() if r["name"].endswith(f", {d}")), ref)
+        speedup = base["median_tpot_ms"] / tpot if tpot and base["median_tpot_ms"] else None
         decode = "" if speedup is None else f"{speedup:.2f}x"
         # tau is the speedup of free drafting with verify steps as cheap as decode steps
         efficiency = "" if speedup is None or tau is None else f"{speedup / tau:.0%}"
@@ -132,8 +136,9 @@ def _latency_markdown(data: dict) -> list[str]:
              f"new tokens, median of {s['rounds']} rounds, speculative_config extra: "
              f"{s['speculative_config_extra'] or 'none'}",
              f"- measured read bandwidth {bw:.1f} GB/s; target weights read per step "
-             f"{wb / 1e6:.1f} MB ({data['weight_bytes_streamed'] / 1e6:.1f} MB as the CPU kernel "
-             f"streams them): bandwidth floor {wb / bw / 1e6:.2f} ms/token",
+             f"{wb / 1e6:.1f} MB in float32, {data['weight_bytes_streamed'] / 1e6:.1f} MB as the "
+             f"CPU kernel streams them: bandwidth floor "
+             f"{data['weight_bytes_streamed'] / bw / 1e6:.2f} ms/token",
              "- batch-1 greedy decode alone (prompt time taken out): " + "; ".join(
                  f"{name} {ms:.2f} ms/token" + _floor(data, name)
                  for name, ms in data["decode_ms_per_token"].items()),
@@ -143,7 +148,7 @@ def _latency_markdown(data: dict) -> list[str]:
                  f"{name} {' / '.join(f'{ms:.1f}' for ms in times)} ms"
                  for name, times in data["prompt_ms"]["by_config"].items()), ""]
     for key, results in data["suites"].items():
-        lines += [f"### {key}", "", latency_table(results), ""]
+        lines += [f"### {key}", "", latency_table(results, s["dtypes"]), ""]
     return lines
 
 
