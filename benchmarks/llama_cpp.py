@@ -238,14 +238,13 @@ def main() -> None:
         latest = REPO / "benchmarks" / "latest"
         (latest / "llama-cpp.json").write_text(json.dumps(data, indent=2) + "\n")
         (latest / "llama-cpp.md").write_text(table + "\n")
+        ratios = "; ".join(f"{name}: " + ", ".join(
+            f"{prec} {cfg.split(',')[0]} {v['specserve'] / v['llama.cpp']:.2f}x"
+            for prec, cfgs in rows.items() for cfg, v in cfgs.items()
+            if "llama.cpp" in v and "specserve" in v) for name, rows in models.items())
         with (REPO / "benchmarks" / "HISTORY.md").open("a") as f:
-            f.write(f"- {data['machine']['date']} {data['machine']['commit']} llama-cpp: "
-                    + "; ".join(f"{name}: " + ", ".join(
-                        f"{prec} {cfg.split(',')[0]} {v.get('specserve', 0) / v['llama.cpp']:.2f}x"
-                        for prec, cfgs in rows.items() for cfg, v in cfgs.items()
-                        if "llama.cpp" in v and "specserve" in v)
-                        for name, rows in models.items()) + "\n")
-
+            f.write(f"- {data['machine']['date']} · {data['machine']['commit']} · "
+                    f"{data['title']} · `{data['command']}` · specserve / llama.cpp: {ratios}\n")
 
 if __name__ == "__main__":
     main()
