@@ -110,6 +110,7 @@ class _Runner:
                  tpot: float | None = None) -> None:
         self.name, self.dtype, self.token, self.rounds, self.seen = name, dtype, token, 0, set()
         self.tpot = tpot
+        self.seeds: dict[str, int] = {}
 
     def tpot_ms(self):
         return self.tpot
@@ -118,9 +119,10 @@ class _Runner:
         self.rounds += 1
         self.seen.clear()
 
-    def run(self, prompts, max_tokens, temperature=0.0):
+    def run(self, prompts, max_tokens, temperature=0.0, first_seed=0):
         assert not self.seen & set(prompts), "a round saw an earlier round's answers"
         self.seen |= set(prompts)
+        self.seeds |= {p: first_seed + i for i, p in enumerate(prompts)}
         return [[self.token] * max_tokens for _ in prompts]
 
     def acceptance(self):
@@ -137,6 +139,16 @@ def test_each_round_starts_without_the_previous_rounds_answers():
     runners = [_Runner("a"), _Runner("b")]
     run_suite(runners, ["p", "q", "r"], batch=2, max_tokens=3, rounds=3)
     assert [r.rounds for r in runners] == [3, 3]
+
+
+def test_every_prompt_has_its_own_seed_whatever_the_batch_size():
+    """Seeds follow a prompt's place in the suite, not in its batch: at batch 1 every request
+    seeded 0 drew the same synthetic acceptances, a sample of one."""
+    from specserve.bench.latency import run_suite
+    for batch in (1, 2):
+        runner = _Runner("a")
+        run_suite([runner], ["p", "q", "r"], batch=batch, max_tokens=3, rounds=1)
+        assert runner.seeds == {"p": 0, "q": 1, "r": 2}
 
 
 def test_greedy_outputs_are_compared_with_the_no_spec_of_their_dtype():

@@ -48,7 +48,8 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
                 continue
             r.new_round()
             t = time.perf_counter()
-            outputs[r.name] = [ids for g in groups for ids in r.run(g, max_tokens, temperature)]
+            outputs[r.name] = [ids for j, g in enumerate(groups)
+                               for ids in r.run(g, max_tokens, temperature, j * batch)]
             n = sum(len(ids) for ids in outputs[r.name])
             results[r.name].tokens_per_s.append(n / (time.perf_counter() - t))
             if (tpot := r.tpot_ms()) is not None:

@@ -63,10 +63,12 @@ class SpecserveRunner:
         self.spec, self.dtype = spec, dtype
         self.tpots: list[float] = []        # ms per decoded token of each request this round
 
-    def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0
-            ) -> list[list[int]]:
-        """Output token ids of each prompt (seeded per prompt when sampling)."""
-        sp = [SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens,
+    def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0,
+            first_seed: int = 0) -> list[list[int]]:
+        """Output token ids of each prompt, prompt i seeded first_seed + i (its place in the
+        suite: every prompt draws its own samples and synthetic acceptances, whatever the
+        batch size)."""
+        sp = [SamplingParams(temperature=temperature, seed=first_seed + i, max_tokens=max_tokens,
                              ignore_eos=True) for i in range(len(prompts))]
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         for o in outs:
@@ -127,8 +129,8 @@ class TransformersRunner:
             self.kw["prompt_lookup_num_tokens"] = prompt_lookup
 
     @torch.inference_mode()
-    def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0
-            ) -> list[list[int]]:
+    def run(self, prompts: list[str], max_tokens: int, temperature: float = 0.0,
+            first_seed: int = 0) -> list[list[int]]:
         outs = []
         sample = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature else {
             "do_sample": False}
