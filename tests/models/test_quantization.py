@@ -169,7 +169,7 @@ print(json.dumps({"grown": grown, "needed": needed, "packed": packed}))
 @pytest.mark.parametrize("kwargs", [{"dtype": "float32"}, {"dtype": "bfloat16"},
                                     {"dtype": "bfloat16", "quantization": "int8"}])
 def test_a_loaded_model_holds_its_packed_weights_and_little_else(kwargs, tmp_path):
-    """Resident memory added by loading a 0.13B-parameter bfloat16 checkpoint: at most 1.2x
+    """Resident memory added by loading a 0.14B-parameter bfloat16 checkpoint: at most 1.2x
     what it needs (packed weights, embedding table, KV cache), in any dtype; the kernel path
     used to keep a float32 copy of every weight beside the packed one (2-3x that)."""
     from specserve.bench.random_models import materialize
