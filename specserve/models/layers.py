@@ -17,6 +17,7 @@ from torch import nn
 
 from specserve.config import check_quantization
 from specserve.kernels.cpu import (
+    GROUP,
     CpuLayer,
     linear_rows,
     load_library,
@@ -193,8 +194,8 @@ class Attention(nn.Module):
         injects the target's context into a layer this way)."""
         lead = x.shape[:-1]
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        if w is None:           # packed for the CPU kernel: one call, the queries dropped
-            kv = self.qkv_proj(x)[..., self.q_size:]                       # [..., 2 * Hkv * D]
+        if w is None:           # packed for the CPU kernel: the k and v columns only
+            kv = self.qkv_proj.forward_from(x, self.q_size)                # [..., 2 * Hkv * D]
         else:
             kv = F.linear(x, w[self.q_size:], None if b is None else b[self.q_size:])
         k, v = kv.view(*lead, 2, self.num_kv_heads, self.head_dim).unbind(-3)
@@ -306,6 +307,17 @@ class DecodeLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed,
                                                self.bias, "none", [], "")     # [N, out]
         return y.view(*x.shape[:-1], self.out_features)
+
+    def forward_from(self, x: torch.Tensor, first: int) -> torch.Tensor:
+        """forward(x)[..., first:] (the tail of a fused projection: DFlash's keys and values),
+        reading only those columns' weights when `first` starts a packed group of columns."""
+        width = GROUP * self.lib.specserve_block() if self.lib is not None else 0
+        if not width or first % width:
+            return self(x)[..., first:]
+        bias = None if self.bias is None else self.bias[first:]
+        y = linear_rows(self.lib, x.reshape(-1, self.in_features),
+                        self.kernel_weight[first // width:], bias, self.out_features - first)
+        return y.view(*x.shape[:-1], self.out_features - first)
 
 
 def model_tensor(model: nn.Module) -> torch.Tensor:
