@@ -155,9 +155,9 @@ def main(argv: list[str]) -> None:
             print(report.latency_table([r.as_dict() for r in all_results[key]], dtypes),
                   flush=True)
             for r in runners:           # free their engines before the next ones load
-                close = getattr(getattr(r, "llm", None), "engine", None)
-                if close is not None:
-                    close.close()
+                engine = getattr(getattr(r, "llm", None), "engine", None)
+                if engine is not None:
+                    engine.close()
             del runners
             gc.collect()
     # Decode alone against the bandwidth floor (tokens/s above include the prompts' prefill).
