@@ -38,6 +38,7 @@ from specserve import LLM, SamplingParams
 from specserve.bench.probes import machine
 from specserve.bench.random_models import resolve
 from specserve.data.prompts import PROMPT_SETS
+from specserve.kernels.cpu import cpu_flags
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "runs" / "llama.cpp"
@@ -74,7 +75,7 @@ def build() -> Path:
     # Nothing fetched at build time (no web UI, no HTTPS), only the two tools. Built for the
     # CPU's instruction sets but without AMX: on the AMX machine this was written on, ggml's
     # AMX Q8_0 kernel died with SIGILL on every prompt (its decode path does not use AMX).
-    flags = _cpu_flags()
+    flags = cpu_flags()
     isa = [f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for name, flag in (
         ("AVX", "avx"), ("AVX2", "avx2"), ("FMA", "fma"), ("F16C", "f16c"),
         ("BMI2", "bmi2"), ("AVX512", "avx512f"), ("AVX512_VBMI", "avx512vbmi"),
@@ -87,14 +88,6 @@ def build() -> Path:
     run(["cmake", "--build", str(WORK / "build"), "--target", *TOOLS, "-j",
          str(os.cpu_count() or 2)])
     return src
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((ln for ln in info.splitlines() if ln.startswith("flags")), "").split())
 
 
 _CONVERT = """

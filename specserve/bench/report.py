@@ -112,7 +112,7 @@ def _floor(data: dict, name: str) -> str:
     streamed = data.get("weight_bytes_streamed_by_config", {}).get(name)
     resident = data.get("resident_mb", {}).get(name)
     parts = ([] if streamed is None else [f"floor {streamed / data['bandwidth_gbs'] / 1e6:.2f} ms"]
-             ) + ([] if resident is None else [f"{resident:.0f} MB resident"])
+             ) + ([] if resident is None else [f"{_mb(resident)} MB resident"])
     return f" ({', '.join(parts)})" if parts else ""
 
 

@@ -51,7 +51,7 @@ class DFlashDrafter(nn.Module):
 
     def __init__(self, args: LlamaArgs, target_layer_ids: tuple[int, ...], target_hidden: int,
                  block_size: int, mask_token_id: int, embed: nn.Embedding,
-                 lm_head: nn.Module) -> None:
+                 lm_head: nn.Module, num_anchors: int = NUM_ANCHORS) -> None:
         super().__init__()
         H = args.hidden_size
         self.args = args
@@ -64,7 +64,7 @@ class DFlashDrafter(nn.Module):
         self.embed_tokens, self.lm_head = embed, lm_head
         self.rotary = Rotary(args.head_dim, args.max_position_embeddings, args.rope_theta,
                              args.rope_scaling)
-        self.num_anchors = NUM_ANCHORS      # training: blocks per window (`loss`)
+        self.num_anchors = num_anchors      # training: blocks per window (`loss`)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -153,10 +153,8 @@ def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
     mask = first_unused(token_counts)
     args = dataclasses.replace(layer_args(a), architecture="Qwen3ForCausalLM", qk_norm=True,
                                num_hidden_layers=n)
-    drafter = DFlashDrafter(args, default_layer_ids(a.num_hidden_layers, n), a.hidden_size,
-                            block, mask, target.embed_tokens, target.lm_head)
-    drafter.num_anchors = num_anchors
-    return drafter
+    return DFlashDrafter(args, default_layer_ids(a.num_hidden_layers, n), a.hidden_size, block,
+                         mask, target.embed_tokens, target.lm_head, num_anchors)
 
 
 def _config(path: Path) -> dict:
@@ -281,8 +279,9 @@ class DFlashProposer(ProposerBase):
         max_len = ctx.max_model_len + config.num_speculative_tokens + 1
         self.drafter.rotary = Rotary(a.head_dim, max_len, a.rope_theta, a.rope_scaling).to(
             ctx.device)
+        self.dtype = model_tensor(self.drafter).dtype      # what the drafter computes in
         self.cache = ctx.new_kv_cache(a.num_hidden_layers, a.num_key_value_heads, max_len,
-                                      a.head_dim, model_tensor(self.drafter).dtype)
+                                      a.head_dim, self.dtype)
         self.caches = [self.cache]
         self.modules = {"drafter": self.drafter}
         self.aux_hidden_layers = self.drafter.aux_layers
@@ -304,7 +303,7 @@ class DFlashProposer(ProposerBase):
         if not positions:
             return
         feats = out.aux_hidden[torch.tensor(rows, device=self.device)]        # [T, n * H_t]
-        c = self.drafter.context(feats.to(model_tensor(self.drafter).dtype))   # [T, H]
+        c = self.drafter.context(feats.to(self.dtype))                          # [T, H]
         pos = torch.tensor(positions, device=self.device)
         slot = torch.tensor(slots, device=self.device)
         cos_sin = self.drafter.rotary.tables(pos, c.dtype)

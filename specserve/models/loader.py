@@ -79,9 +79,7 @@ def fuse_hf_names(hf: dict[str, torch.Tensor], num_layers: int) -> dict[str, tor
     """Map HF tensor names onto this project's module names (fused q/k/v and gate/up)."""
     out: dict[str, torch.Tensor] = {}
     parts: dict[tuple[int, str, str], torch.Tensor] = {}
-    hf = dict(hf)
-    while hf:       # emptied as it goes: a layer's q, k, v are freed once fused
-        name, t = hf.popitem()
+    for name, t in hf.items():
         if m := _QKV.match(name):
             parts[(int(m[2]), "qkv." + m[4], m[3])] = t
         elif m := _GATE_UP.match(name):

@@ -212,9 +212,9 @@ def build_pard(out: Path, work: Path, **kw) -> float:
 # The DFlash drafter for the final target: DFLASH_LAYERS target-wide layers drafting blocks of
 # DFLASH_BLOCK (K up to 7), trained from fresh weights at the heads' learning rate on corpus
 # text with target greedy continuations; stages of (schedule length, generated text, blocks per
-# window) as HEAD_RECIPES. The first stage reached tau 2.20 at K=7, its first draft accepted
-# 59% (EAGLE-3's 74%, trained on every position of its windows where 32 blocks see 32 of 512):
-# the second resumes it with twice the blocks per window and more greedy text.
+# window) as HEAD_RECIPES. A block drafter trains on the anchors of a window only (32 of its
+# 512 positions), where a head trains on every one: the second stage resumes the first with
+# twice the blocks per window and more greedy text.
 DFLASH_LAYERS, DFLASH_BLOCK = 3, 8
 DFLASH_STAGES: list[tuple[int, GeneratedData, int]] = [
     (3000, GREEDY, 32), (4000, dataclasses.replace(GREEDY, generated_share=0.5), 64)]

@@ -144,14 +144,15 @@ def test_what_int8_cannot_do_is_refused_with_what_to_change(llama_dir):
 
 
 _RESIDENT = r"""
-import ctypes, gc, json, sys
+import gc, json, sys
 import torch
 from specserve import LLM
 from specserve.bench.probes import resident_bytes
+from specserve.models.backend import release_freed_memory
 torch.set_num_threads(1)
 LLM(sys.argv[1], device="cpu", max_num_seqs=1, max_model_len=64)   # warm: libraries, kernel
 gc.collect()
-ctypes.CDLL("libc.so.6").malloc_trim(0)
+release_freed_memory()
 before = resident_bytes()
 llm = LLM(sys.argv[1], device="cpu", max_num_seqs=1, max_model_len=64, **json.loads(sys.argv[2]))
 grown = resident_bytes() - before

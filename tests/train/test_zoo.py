@@ -37,18 +37,33 @@ def test_bundled_heads_speculate_losslessly(method):
     assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_the_bundled_parallel_draft_speculates_losslessly():
-    """models/code-draft-pard drafts K=8 in one pass for the bundled target, greedy output kept."""
-    target, pard = REPO / "models" / "code-target", REPO / "models" / "code-draft-pard"
-    assert (pard / "config.json").is_file(), "the bundled PARD draft is missing"
-    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompt = "def fibonacci(n):\n    "
-    ref = LLM(str(target), device=DEVICE).generate(prompt, sp, use_tqdm=False)
-    llm = LLM(str(target), device=DEVICE, speculative_config={
-        "model": str(pard), "num_speculative_tokens": 8, "parallel_drafting": True})
-    got = llm.generate(prompt, sp, use_tqdm=False)
-    assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
-    assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 0
+# the bundled one-pass drafters: directory, speculative_config keys, the method detected, the
+# least mean acceptance length on two held-out prompts
+ONE_PASS = {
+    "pard": ("code-draft-pard", {"num_speculative_tokens": 8, "parallel_drafting": True},
+             "draft_model", 1.0),
+    "peagle": ("code-target-eagle3-parallel", {"num_speculative_tokens": 2,
+                                               "parallel_drafting": True}, "eagle3", 1.5),
+    "dflash": ("code-target-dflash", {}, "dflash", 1.5)}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_PASS))
+def test_the_bundled_one_pass_drafters_are_lossless_and_accept(name):
+    """PARD, P-EAGLE and DFlash draft for the bundled target in one pass, greedy output kept;
+    the method is detected from the checkpoint."""
+    directory, keys, method, least_tau = ONE_PASS[name]
+    target, drafter = REPO / "models" / "code-target", REPO / "models" / directory
+    assert (drafter / "config.json").is_file(), f"the bundled {name} drafter is missing"
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\ndef main():\n"]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(str(target), device=DEVICE).generate(
+        prompts, sp, use_tqdm=False)]
+    llm = LLM(str(target), device=DEVICE, speculative_config={"model": str(drafter)} | keys)
+    assert llm.engine.spec.method == method
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
+    stats = llm.get_stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["mean_acceptance_length"] > least_tau
 
 
 def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsys):

@@ -7,6 +7,7 @@ from specserve.kernels.cpu.binding import (
                                            LlamaChain,
                                            LlamaForward,
                                            cpu_features,
+                                           cpu_flags,
                                            kernel_step,
                                            linear_rows,
                                            load_library,
@@ -18,7 +19,7 @@ from specserve.kernels.cpu.binding import (
 )
 
 __all__ = ["GROUP", "CpuLayer", "HeadChain", "LlamaChain", "LlamaForward", "cpu_features",
-           "kernel_step",
+           "cpu_flags", "kernel_step",
            "linear_rows", "load_library", "max_rows", "pack_weight",
            "quantize_int8", "rms_norm_rows",
            "weight_mode"]

@@ -96,6 +96,11 @@ def _cpu_id() -> str:
                 "")
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set flags the CPU reports (/proc/cpuinfo; empty where none is read)."""
+    return set(_cpu_id().split())
+
+
 def _build(cc: str, flags: tuple[str, ...], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
@@ -148,7 +153,7 @@ def load_library() -> ctypes.CDLL | None:
 
 def cpu_features(lib: ctypes.CDLL) -> str:
     """The instruction set the library was built for, in words."""
-    flags = _cpu_id().split()
+    flags = cpu_flags()
     width = "AVX-512" if lib.specserve_block() == 16 else "AVX2" if lib.specserve_block() == 8 \
         else f"{lib.specserve_block()}-wide vectors"
     return (width + (" with AVX512-BF16" if "avx512_bf16" in flags else "")

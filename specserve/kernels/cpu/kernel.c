@@ -124,8 +124,8 @@ static float dot(const float *a, const float *b, int64_t n) {
 enum { F32, BF16, PAIRS, I8 };
 #define GROUP 4                 /* blocks a packed weight keeps input by input together */
 /* How far ahead an int8 tile asks for its weights: it spends more instructions per byte than
- * the other layouts, and the hardware prefetcher alone kept its stream at about 65% of the
- * memory bandwidth on a Xeon with AMX (80% with this; bfloat16 streams were not helped). */
+ * the other layouts, and the hardware prefetcher alone left its stream well short of the
+ * memory bandwidth (bfloat16 streams, read faster, were not helped). */
 #define PREFETCH 8192
 #define ROWS (ACC / GROUP)      /* rows a tile runs at once, GROUP accumulators each */
 
@@ -254,8 +254,8 @@ static void to_pairs(const float *x, int64_t T, int64_t in, uint32_t *out) {
 
 int specserve_block(void) { return VL; }
 
-/* The longest step the kernel takes; longer prompt chunks take PyTorch's blocked matrix
- * multiply. In a throwaway timing of the bundled target's forward on a Zen 4 machine, the
+/* The longest step the kernel takes whole; longer prompt chunks run layer by layer through
+ * PyTorch, their matrix products still in specserve_linear. In a throwaway timing of the bundled target's forward on a Zen 4 machine, the
  * kernel built for AVX-512 was the faster at every length up to 512 rows (in bfloat16 2.3-3.4x
  * from 64 rows on, in float32 1.3-2.1x); built for haswell (AVX2) it tied at 64 rows and was
  * 1.5x slower at 512. */
