@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -215,6 +216,10 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that made progress."""
+        with self.tp.own_cores() if self.tp is not None else contextlib.nullcontext():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:

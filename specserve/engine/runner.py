@@ -8,8 +8,6 @@ their depth and masked to see only their ancestors (`tree_rows`, `build_tree_met
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from specserve.engine.scheduler import ScheduledRequest
@@ -58,12 +56,13 @@ class ModelRunner:
             for s, b in zip(starts, batch)] if tree else None}
         token_ids, positions, md = step_inputs(step, self.device)
         aux = None
-        with self.tp.step(step) if self.tp is not None else contextlib.nullcontext():
-            if self.aux_layers:
-                hidden, aux = self.model(token_ids, positions, md, self.cache.layers,
-                                         aux_layers=self.aux_layers)        # [T, H], [T, n*H]
-            else:
-                hidden = self.model(token_ids, positions, md, self.cache.layers)  # [T, H]
+        if self.tp is not None:
+            self.tp.step(step)
+        if self.aux_layers:
+            hidden, aux = self.model(token_ids, positions, md, self.cache.layers,
+                                     aux_layers=self.aux_layers)            # [T, H], [T, n*H]
+        else:
+            hidden = self.model(token_ids, positions, md, self.cache.layers)      # [T, H]
         if len(sample_rows) == len(ids):
             rows = hidden
         else:

@@ -366,9 +366,7 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
     if lib is not None:
         model.float()          # what the kernel reads besides the packed weights is float32
         for module in model.modules():
-            # a tensor-parallel shard all-reduces inside the layer: the C call cannot
-            if (hasattr(module, "cpu_layer") and getattr(module, "tp_group", None) is None
-                    and CpuLayer.supports(module)):
+            if hasattr(module, "cpu_layer") and CpuLayer.supports(module):
                 module.cpu_layer = CpuLayer(module, lib)
             elif isinstance(module, RMSNorm) and module.weight.is_contiguous():
                 module.lib = lib

@@ -6,6 +6,7 @@ loader maps Hugging Face tensor names onto them and `hf_state_dict` maps them ba
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,21 +117,21 @@ class DecoderLayer(nn.Module):
         # Set by use_decode_linears on float32 CPU inference models: runs cached steps of up
         # to max_rows(lib) rows in compiled code (kernels/cpu).
         self.cpu_layer = None
-        # A torch.distributed process group when this layer holds one rank's shard
-        # (models/tensor_parallel.py): the attention and MLP outputs are partial sums.
-        self.tp_group = None
+        # Set when this layer holds one rank's shard (models/tensor_parallel.py): the
+        # attention and MLP outputs are partial sums, which all_reduce(t) completes in place.
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 md: AttentionMetadata | None, cache, mask: torch.Tensor | None = None
                 ) -> torch.Tensor:
         if self.cpu_layer is not None and kernel_step(md, x, self.cpu_layer.lib):
-            return self.cpu_layer(x, cos_sin, md, cache)
+            return self.cpu_layer(x, cos_sin, md, cache, reduce=self.all_reduce)
         x = x + self._reduced(self.self_attn(self.input_layernorm(x), cos_sin, md, cache, mask))
         return x + self._reduced(self.mlp(self.post_attention_layernorm(x)))
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
-        if self.tp_group is not None:
-            self.tp_group.allreduce([partial]).wait()
+        if self.all_reduce is not None:
+            self.all_reduce(partial)
         return partial
 
 
@@ -155,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         """The whole cached step in compiled code, for use_decode_linears to set as
         `cpu_forward` once every layer has its CpuLayer; None where one lacks it."""
         layers = [layer.cpu_layer for layer in self.layers]
-        if None in layers or self.norm.lib is None:
+        if None in layers or self.norm.lib is None or self.tp_size > 1:   # all-reduces: per layer
             return None
         return LlamaForward(layers, self.embed_tokens.weight, self.norm.weight, self.norm.eps,
                             self.rotary.cos_sin)
@@ -190,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         CPU kernel), or None (then the proposer runs the PyTorch loop)."""
         packed = getattr(self.lm_head, "kernel_weight", None)
         layers = [layer.cpu_layer for layer in self.layers]
-        if (packed is None or None in layers or self.norm.lib is None
+        if (packed is None or None in layers or self.norm.lib is None or self.tp_size > 1
                 or len({self.norm.eps, *(x.post_attention_layernorm.eps for x in self.layers)})
                 != 1):
             return None

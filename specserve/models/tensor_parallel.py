@@ -1,11 +1,14 @@
 """Megatron-style tensor parallelism of a Llama-family model over a torch.distributed process
 group: each rank keeps its share of the attention heads (q/k/v rows, o_proj columns) and of the
 MLP's intermediate columns (gate/up rows, down_proj columns); the outputs of o_proj and
-down_proj are partial sums, completed by one all-reduce each (`DecoderLayer.tp_group`). The
+down_proj are partial sums, completed by one all-reduce each (`DecoderLayer.all_reduce`:
+gloo's, or through shared memory where the ranks share a machine and the CPU kernel runs). The
 embedding, norms and lm_head stay whole on every rank, so the residual stream and the final
 hidden state are whole everywhere (what samplers and draft heads read)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -34,9 +37,16 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return lin
 
 
-def shard(model: LlamaForCausalLM, rank: int, size: int, group) -> LlamaForCausalLM:
+def gloo_all_reduce(group) -> Callable[[torch.Tensor], None]:
+    """In-place sum over a torch.distributed process group's ranks."""
+    return lambda t: group.allreduce([t]).wait()
+
+
+def shard(model: LlamaForCausalLM, rank: int, size: int,
+          all_reduce: Callable[[torch.Tensor], None]) -> LlamaForCausalLM:
     """Keep rank `rank` of `size`'s share of every layer (in place, before the backend packs
-    the weights) and all-reduce over `group`."""
+    the weights), its partial sums completed by `all_reduce` (in place, the same on every
+    rank)."""
     check_divisible(model.args, size)
     for layer in model.layers:
         at, mlp = layer.self_attn, layer.mlp
@@ -55,6 +65,6 @@ def shard(model: LlamaForCausalLM, rank: int, size: int, group) -> LlamaForCausa
             mlp.gate_up_proj.weight.detach()[torch.cat([cols, mlp.intermediate + cols])], None)
         mlp.down_proj = _linear(mlp.down_proj.weight.detach()[:, cols], None)
         mlp.intermediate = i
-        layer.tp_group = group
+        layer.all_reduce = all_reduce
     model.tp_size = size
     return model

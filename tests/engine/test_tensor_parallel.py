@@ -9,8 +9,15 @@ import multiprocessing
 
 import openai
 import pytest
+import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
+from specserve.kernels.cpu import (
+    SharedMemoryAllReduce,
+    SharedMemoryChannel,
+    load_library,
+    shm_numel,
+)
 from tests.test_spec_decode import _greedy, repetitive_prompts
 from tests.train.conftest import REPO
 
@@ -36,6 +43,10 @@ def test_two_ranks_give_one_ranks_logits_for_every_architecture(hf_model):
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(2, seed=1)]
     want = _logprobs(LLM(str(path), device="cpu"), ps)
     llm = LLM(str(path), device="cpu", tensor_parallel_size=TP)
+    if load_library() is not None:      # each layer's halves in the kernel, summed in memory
+        layer = llm.engine.model.layers[0]
+        assert layer.cpu_layer is not None
+        assert isinstance(layer.all_reduce, SharedMemoryAllReduce)
     got = _logprobs(llm, ps)
     llm.engine.close()
     for g, w in zip(got, want):
@@ -59,6 +70,82 @@ def test_greedy_output_with_two_ranks_is_one_ranks(method, llama_dir, draft_dir,
               max_num_batched_tokens=16, speculative_config=spec)   # chunks, continuous batching
     assert [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(30), use_tqdm=False)] == ref
     llm.engine.close()
+
+
+def test_without_the_kernel_the_ranks_sum_over_gloo(llama_dir):
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(3, seed=3)]
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device="cpu").generate(
+        ps, _greedy(20), use_tqdm=False)]
+    llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=TP, cpu_kernel=False)
+    layer = llm.engine.model.layers[0]
+    assert layer.cpu_layer is None and not isinstance(layer.all_reduce, SharedMemoryAllReduce)
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(20), use_tqdm=False)] == ref
+    llm.engine.close()
+
+
+def _rank1(shm: torch.Tensor, step_shm: torch.Tensor, cap: int, xs: list[torch.Tensor],
+           results) -> None:
+    lib = load_library()
+    reduce = SharedMemoryAllReduce(lib, shm, 1, 2, cap, lambda: None)
+    for x in xs:
+        reduce(x)
+        results.put(x)
+    channel = SharedMemoryChannel(lib, step_shm, lambda: None)
+    while data := channel.receive():
+        results.put(data)
+    results.put(b"")
+
+
+def test_shared_memory_sums_and_messages_between_two_processes():
+    """Every rank gets the same bits (the posts summed in rank order), tensors longer than
+    the room go in parts, and the channel delivers each message whole, the empty one too."""
+    if load_library() is None:
+        pytest.skip("no C compiler: the CPU kernel cannot be built here")
+    lib, cap = load_library(), 1000
+    shm = torch.zeros(shm_numel(2, cap), dtype=torch.int64).share_memory_()
+    step_shm = torch.zeros(SharedMemoryChannel.HEADER + 10_000, dtype=torch.uint8).share_memory_()
+    g = torch.Generator().manual_seed(0)
+    mine = [torch.randn(n, generator=g) for n in (7, 2500, 1000)]
+    theirs = [torch.randn(n, generator=g) for n in (7, 2500, 1000)]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    peer = ctx.Process(target=_rank1, args=(shm, step_shm, cap, [t.clone() for t in theirs],
+                                            results))
+    peer.start()
+    reduce = SharedMemoryAllReduce(lib, shm, 0, 2, cap, lambda: None)
+    for a, b in zip(mine, theirs):
+        x = a.clone()
+        reduce(x)
+        assert torch.equal(x, a + b) and torch.equal(results.get(timeout=60), x)
+    channel = SharedMemoryChannel(lib, step_shm, lambda: None)
+    for message in (b"one step", bytes(range(256)) * 39, b"x", b""):
+        channel.send(message)
+        assert results.get(timeout=60) == message    # read before the next one is sent
+    peer.join(timeout=60)
+    assert peer.exitcode == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        channel.send(bytes(10_001))
+
+
+def test_a_rank_that_never_posts_is_checked_for_not_waited_for_forever():
+    if load_library() is None:
+        pytest.skip("no C compiler: the CPU kernel cannot be built here")
+    shm = torch.zeros(shm_numel(2, 8), dtype=torch.int64).share_memory_()
+    checks = []
+
+    def check_peers():
+        checks.append(1)
+        if len(checks) == 3:
+            raise RuntimeError("rank 1 is gone")
+
+    reduce = SharedMemoryAllReduce(load_library(), shm, 0, 2, 8, check_peers, poll_s=0.01)
+    with pytest.raises(RuntimeError, match="rank 1 is gone"):
+        reduce(torch.ones(8))
+    channel = SharedMemoryChannel(load_library(), torch.zeros(100, dtype=torch.uint8)
+                                  .share_memory_(), check_peers, poll_s=0.01)
+    checks.clear()
+    with pytest.raises(RuntimeError, match="rank 1 is gone"):
+        channel.receive()
 
 
 def test_the_seeds_eagle_example_runs_on_two_ranks():

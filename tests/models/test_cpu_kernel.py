@@ -173,6 +173,27 @@ def test_the_one_call_forward_equals_the_layer_by_layer_kernel_path(hf_model):
     assert all(torch.equal(x, y) for x, y in zip(*outs))
 
 
+def test_a_layers_two_halves_summed_outside_equal_the_whole_layer(hf_model):
+    """What a tensor-parallel shard runs: the attention and MLP halves of each layer in two
+    C calls, each output handed to the all-reduce before it joins the stream. With one rank
+    (a reduce that leaves the sum as it is) that is the whole layer, bit for bit."""
+    _, path, _ = hf_model
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (14, 6)]
+    outs = []
+    for halves in (False, True):
+        model, cache = _stepper(path)
+        model.cpu_forward = None
+        reduced = []
+        for layer in model.layers:
+            layer.all_reduce = reduced.append if halves else None
+        res = [_step(model, cache, prompts, [0, 0], [0, 1]),
+               _step(model, cache, [[5, 6, 7], [8]], [14, 6], [0, 1])]
+        outs.append(res + [k[:2, :, :17].clone() for k, _ in cache.layers])
+        assert len(reduced) == (4 * len(model.layers) if halves else 0)
+    assert all(torch.equal(x, y) for x, y in zip(*outs))
+
+
 def test_eagle3_features_and_hidden_match_the_pytorch_path(llama_dir):
     ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(2)).tolist()
     outs = []

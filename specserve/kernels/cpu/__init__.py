@@ -6,6 +6,8 @@ from specserve.kernels.cpu.binding import (
                                            HeadChain,
                                            LlamaChain,
                                            LlamaForward,
+                                           SharedMemoryAllReduce,
+                                           SharedMemoryChannel,
                                            cpu_features,
                                            cpu_flags,
                                            kernel_step,
@@ -15,11 +17,13 @@ from specserve.kernels.cpu.binding import (
                                            pack_weight,
                                            quantize_int8,
                                            rms_norm_rows,
+                                           shm_numel,
                                            weight_mode,
 )
 
-__all__ = ["GROUP", "CpuLayer", "HeadChain", "LlamaChain", "LlamaForward", "cpu_features",
+__all__ = ["GROUP", "CpuLayer", "HeadChain", "LlamaChain", "LlamaForward",
+           "SharedMemoryAllReduce", "SharedMemoryChannel", "cpu_features",
            "cpu_flags", "kernel_step",
            "linear_rows", "load_library", "max_rows", "pack_weight",
-           "quantize_int8", "rms_norm_rows",
+           "quantize_int8", "rms_norm_rows", "shm_numel",
            "weight_mode"]

@@ -27,6 +27,7 @@ import os
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ _F, _C = ctypes.c_float, ctypes.c_int
 _LayerArgs = _args("LayerArgs", [
     ("s", ctypes.POINTER(_Shape)), ("T", _I64), ("x", _P), ("attn_in", _P), ("slots", _P),
     ("positions", _P), ("w", _P), ("k_cache", _P), ("v_cache", _P), ("cos", _P), ("sin", _P),
-    ("mask", _P), ("mask_stride", _I64), ("nthreads", _C)])
+    ("mask", _P), ("mask_stride", _I64), ("half", _I64), ("out", _P), ("nthreads", _C)])
 _LlamaChainArgs = _args("LlamaChainArgs", [
     ("s", ctypes.POINTER(_Shape)), ("L", _I64), ("B", _I64), ("n", _I64), ("slots", _P),
     ("pos0", _P), ("budget", _P), ("threshold", _F), ("embed", _P), ("final_norm", _P),
@@ -139,9 +140,12 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
     for name, args in (("layer", _LayerArgs), ("head_chain", _HeadChainArgs),
-                       ("llama_chain", _LlamaChainArgs), ("llama_forward", _LlamaForwardArgs)):
-        fn, size = getattr(lib, f"specserve_{name}"), getattr(lib, f"specserve_{name}_args_size")
-        fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
+                       ("llama_chain", _LlamaChainArgs), ("llama_forward", _LlamaForwardArgs),
+                       ("all_reduce", _AllReduceArgs), ("channel", _ChannelArgs)):
+        size = getattr(lib, f"specserve_{name}_args_size")
+        for fn in [getattr(lib, f"specserve_{name}{op}", None) for op in ("", "_post", "_wait")]:
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.POINTER(args)], ctypes.c_int
         size.argtypes, size.restype = [], ctypes.c_size_t
         if size() != ctypes.sizeof(args):
             raise RuntimeError(f"specserve: kernel.c's argument struct of specserve_{name} and "
@@ -243,6 +247,11 @@ def rms_norm_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     lib.specserve_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1],
                            x.shape[-1], y.data_ptr())
     return y
+_AllReduceArgs = _args("AllReduceArgs", [
+    ("x", _P), ("n", _I64), ("shm", _P), ("cap", _I64), ("rank", _I64), ("size", _I64),
+    ("seq", _I64), ("posted", _I64), ("timeout_s", ctypes.c_double)])
+_ChannelArgs = _args("ChannelArgs", [
+    ("shm", _P), ("seen", ctypes.c_uint32), ("timeout_s", ctypes.c_double)])
 
 
 class CpuLayer:
@@ -283,9 +292,12 @@ class CpuLayer:
 
     def __call__(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                  md, cache: tuple[torch.Tensor, torch.Tensor],
-                 attn_in: torch.Tensor | None = None) -> torch.Tensor:
+                 attn_in: torch.Tensor | None = None,
+                 reduce: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """x [T, H] residual stream -> the layer's output [T, H] (x is not modified);
-        cos_sin: rotary rows [T, 1, head_dim]; attn_in [T, attn_in width] or None."""
+        cos_sin: rotary rows [T, 1, head_dim]; attn_in [T, attn_in width] or None. With
+        `reduce` (a tensor-parallel shard), the attention and MLP outputs are partial sums:
+        each is completed in place by reduce() before it is added to the stream."""
         k_cache, v_cache = cache                      # [num_slots, num_kv_heads, max_len, D]
         if cache is not self._cache:
             if not (k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -310,7 +322,17 @@ class CpuLayer:
         args.mask = None if mask is None else mask.data_ptr()
         args.mask_stride = 0 if mask is None else mask.shape[1]
         args.nthreads = torch.get_num_threads()
-        _check_rc(self.lib.specserve_layer(ctypes.byref(args)), "CpuLayer")
+        if reduce is None:
+            args.half, args.out = 0, None
+            _check_rc(self.lib.specserve_layer(ctypes.byref(args)), "CpuLayer")
+            return out
+        partial = torch.empty_like(out)                                   # [T, H]
+        args.out = partial.data_ptr()
+        for half in (1, 2):
+            args.half = half
+            _check_rc(self.lib.specserve_layer(ctypes.byref(args)), "CpuLayer")
+            reduce(partial)
+            out += partial
         return out
 
 
@@ -531,6 +553,72 @@ class LlamaForward:
         args.hidden, args.nthreads = hidden.data_ptr(), torch.get_num_threads()
         _check_rc(self.lib.specserve_llama_forward(ctypes.byref(args)), "LlamaForward")
         return (hidden, aux) if aux_layers else hidden
+
+
+class SharedMemoryAllReduce:
+    """In-place sum over the `size` tensor-parallel ranks of one machine, through `shm` (a
+    tensor in memory all ranks share, of `shm_numel(size, cap)` int64, zeros at first; see
+    specserve_all_reduce). Each rank's caller must call it in the same order with tensors of
+    the same size. While it waits for another rank, `check_peers()` runs every `poll_s`: it
+    raises when a rank is gone (a dead peer would otherwise be waited for forever)."""
+
+    def __init__(self, lib: ctypes.CDLL, shm: torch.Tensor, rank: int, size: int, cap: int,
+                 check_peers: Callable[[], None], poll_s: float = 0.1) -> None:
+        if not shm.is_shared() or shm.numel() < shm_numel(size, cap):
+            raise ValueError("SharedMemoryAllReduce: shm must be a shared tensor of "
+                             f"{shm_numel(size, cap)} int64")
+        self.lib, self._shm, self.cap, self.check_peers = lib, shm, cap, check_peers
+        self._args = _AllReduceArgs(shm=shm.data_ptr(), cap=cap, rank=rank, size=size,
+                                    timeout_s=poll_s)
+
+    def __call__(self, x: torch.Tensor) -> None:
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            raise ValueError("SharedMemoryAllReduce: x must be contiguous float32")
+        a, flat = self._args, x.view(-1)
+        for start in range(0, flat.numel(), self.cap):
+            part = flat[start:start + self.cap]
+            a.x, a.n, a.seq, a.posted = part.data_ptr(), part.numel(), a.seq + 1, 0
+            while (rc := self.lib.specserve_all_reduce(ctypes.byref(a))) == 1:
+                a.posted = 1
+                self.check_peers()
+            _check_rc(rc, "SharedMemoryAllReduce")
+
+
+class SharedMemoryChannel:
+    """Rank 0's messages to the other ranks of its machine, one at a time, through `shm` (a
+    shared uint8 tensor, zeros at first; see specserve_channel_post): `send` never waits (a
+    message may be sent once every rank has read the one before); `receive` waits, running
+    `check_peers()` every `poll_s`."""
+
+    HEADER = 64             # the futex word (uint32), then the message's length (int64 at 8)
+
+    def __init__(self, lib: ctypes.CDLL, shm: torch.Tensor, check_peers: Callable[[], None],
+                 poll_s: float = 0.1) -> None:
+        if not shm.is_shared() or shm.dtype != torch.uint8 or shm.numel() <= self.HEADER:
+            raise ValueError("SharedMemoryChannel: shm must be a shared uint8 tensor")
+        self.lib, self._shm, self.check_peers = lib, shm, check_peers
+        self._length, self._bytes = shm[8:16].view(torch.int64), shm[self.HEADER:]
+        self._args = _ChannelArgs(shm=shm.data_ptr(), seen=0, timeout_s=poll_s)
+
+    def send(self, data: bytes) -> None:
+        if len(data) > self._bytes.numel():
+            raise ValueError(f"SharedMemoryChannel: a message of {len(data)} bytes does not fit "
+                             f"in {self._bytes.numel()}")
+        if data:
+            self._bytes[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._length[0] = len(data)
+        self.lib.specserve_channel_post(ctypes.byref(self._args))
+
+    def receive(self) -> bytes:
+        while self.lib.specserve_channel_wait(ctypes.byref(self._args)) == 1:
+            self.check_peers()
+        self._args.seen += 1
+        return self._bytes[:int(self._length[0])].numpy().tobytes()
+
+
+def shm_numel(size: int, cap: int) -> int:
+    """int64 elements of SharedMemoryAllReduce's shared tensor: counters and two buffers."""
+    return 8 * size + size * cap       # 2 * size * cap float32 = size * cap int64
 
 
 def _check_rc(rc: int, who: str) -> None:

@@ -10,9 +10,16 @@
  * Built by binding.py with: cc -O3 -march=native -fopenmp -shared -fPIC.
  */
 #include <math.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -620,35 +627,35 @@ typedef struct {
     float eps, scale;
 } Shape;
 
-/* One decoder layer on the residual stream x [T, hidden], in place. The attention input is
- * attn_in [T, s->attn_in] when given (EAGLE-3 builds it from two inputs), else x normed by
- * IN_NORM (or x itself when IN_NORM is NULL: EAGLE-1). Row t is the token at position
- * positions[t] of the request in KV slot slots[t], rotated by cos/sin rows t (head_dim each,
- * rot_stride apart);
- * its keys and values are written there and it attends to positions 0..positions[t] of that
- * slot (a request's rows are consecutive positions, so this is causal), or, given `mask`
- * (draft-tree nodes, DFlash's non-causal block), to the positions < mask_stride where
- * mask[t * mask_stride + position] is nonzero.
- * k_cache, v_cache: [num_slots, num_kv_heads, max_len, head_dim]. Returns 0, or -1 when out
- * of memory. */
-static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
-                    const int64_t *slots, const int64_t *positions, const void *const *w,
-                    float *k_cache, float *v_cache, const float *cos, const float *sin,
-                    const uint8_t *mask, int64_t mask_stride, int nthreads) {
+/* The attention half of a decoder layer over the residual stream x [T, hidden]: out (+)=
+ * o_proj(attention(q, k, v)) [T, hidden], added to out when `accumulate`, else written (a
+ * tensor-parallel shard's partial sum). The attention input is attn_in [T, s->attn_in] when
+ * given (EAGLE-3 builds it from two inputs), else x normed by IN_NORM (or x itself when IN_NORM
+ * is NULL: EAGLE-1). Row t is the token at position positions[t] of the request in KV slot
+ * slots[t], rotated by cos/sin rows t (head_dim each, rot_stride apart); its keys and values
+ * are written there and it attends to positions 0..positions[t] of that slot (a request's rows
+ * are consecutive positions, so this is causal), or, given `mask` (draft-tree nodes, DFlash's
+ * non-causal block), to the positions < mask_stride where mask[t * mask_stride + position] is
+ * nonzero. k_cache, v_cache: [num_slots, num_kv_heads, max_len, head_dim]. Returns 0, or -1
+ * when out of memory. */
+static int attention_half(const Shape *s, int64_t T, const float *x, const float *attn_in,
+                          const int64_t *slots, const int64_t *positions, const void *const *w,
+                          float *k_cache, float *v_cache, const float *cos, const float *sin,
+                          const uint8_t *mask, int64_t mask_stride, float *out, int accumulate,
+                          int nthreads) {
     const int64_t H = s->hidden, NH = s->num_heads, NKV = s->num_kv_heads, D = s->head_dim;
-    const int64_t I = s->intermediate, QKV = (NH + 2 * NKV) * D, group = NH / NKV;
+    const int64_t QKV = (NH + 2 * NKV) * D, group = NH / NKV;
     const int64_t slot_stride = NKV * s->max_len * D;
     const int mode = (int)s->mode;
     if (D > 1024) return -1;
-    const int64_t widest = QKV > 2 * I ? QKV : 2 * I;
     float *h = malloc(sizeof(float) * T * H);
-    float *wide = malloc(sizeof(float) * T * widest);
-    float *act = malloc(sizeof(float) * T * (I > NH * D ? I : NH * D));
-    if (!h || !wide || !act) {
-        free(h); free(wide); free(act);
+    float *wide = malloc(sizeof(float) * T * QKV);
+    float *attn = malloc(sizeof(float) * T * NH * D);
+    int64_t *run = malloc(sizeof(int64_t) * (2 * T + 1)), nruns = 0;
+    if (!h || !wide || !attn || !run) {
+        free(h); free(wide); free(attn); free(run);
         return -1;
     }
-    float *attn = act;          /* the attention output is dead before the MLP needs `act` */
     const float *a_in = x;
     if (attn_in) {
         a_in = attn_in;
@@ -657,12 +664,9 @@ static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
         a_in = h;
     }
     const int64_t a_width = attn_in ? s->attn_in : H;
-    if (specserve_linear(a_in, T, w[QKV_W], mode, w[QKV_B], QKV, a_width, wide, QKV, 0,
-                         nthreads)) {
-        free(h); free(wide); free(act);
-        return -1;
-    }
-    for (int64_t t = 0; t < T; t++) {
+    int failed = specserve_linear(a_in, T, w[QKV_W], mode, w[QKV_B], QKV, a_width, wide, QKV, 0,
+                                  nthreads);
+    for (int64_t t = 0; !failed && t < T; t++) {
         float *q = wide + t * QKV, *k = q + NH * D, *v = k + NKV * D;
         if (w[Q_NORM]) {
             rms_norm(q, w[Q_NORM], s->eps, NH, D, D, D, q);
@@ -678,18 +682,12 @@ static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
     }
     /* Attention, one work item per (run of rows of one request, KV head): the item's queries
      * (its rows times the query heads sharing the KV head) read each block of 16 keys once. */
-    int64_t *run = malloc(sizeof(int64_t) * (2 * T + 1)), nruns = 0;
-    if (!run) {
-        free(h); free(wide); free(act);
-        return -1;
-    }
     int64_t *lens = run + T + 1;                        /* keys row t may see */
     for (int64_t t = 0; t < T; t++) lens[t] = mask ? mask_stride : positions[t] + 1;
-    for (int64_t t = 0; t < T; t++)
+    for (int64_t t = 0; !failed && t < T; t++)
         if (t == 0 || slots[t] != slots[t - 1] || positions[t] != positions[t - 1] + 1)
             run[nruns++] = t;
     run[nruns] = T;
-    int failed = 0;
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic)
     for (int64_t item = 0; item < nruns * NKV; item++) {
         const int64_t t0 = run[item / NKV], t1 = run[item / NKV + 1], g = item % NKV;
@@ -720,9 +718,22 @@ static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
                       attn + t0 * NH * D + g * group * D, NH * D);
         free(p);
     }
-    free(run);
-    failed = failed || specserve_linear(attn, T, w[O_W], mode, NULL, H, NH * D, x, H, 1,
-                                        nthreads);
+    failed = failed || specserve_linear(attn, T, w[O_W], mode, NULL, H, NH * D, out, H,
+                                        accumulate, nthreads);
+    free(h); free(wide); free(attn); free(run);
+    return failed ? -1 : 0;
+}
+
+/* The MLP half of a decoder layer over x [T, hidden]: out (+)= down(silu(gate) * up) of
+ * POST_NORM(x), added when `accumulate`, else written. Returns 0, or -1 when out of memory. */
+static int mlp_half(const Shape *s, int64_t T, const float *x, const void *const *w, float *out,
+                    int accumulate, int nthreads) {
+    const int64_t H = s->hidden, I = s->intermediate;
+    const int mode = (int)s->mode;
+    float *h = malloc(sizeof(float) * T * H);
+    float *wide = malloc(sizeof(float) * T * 2 * I);
+    float *act = malloc(sizeof(float) * T * I);
+    int failed = !h || !wide || !act;
     if (!failed) {
         rms_norm(x, w[POST_NORM], s->eps, T, H, H, H, h);
         failed = specserve_linear(h, T, w[GATE_UP_W], mode, NULL, 2 * I, H, wide, 2 * I, 0,
@@ -736,10 +747,23 @@ static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
             exp_array(a, a, I);
             for (int64_t i = 0; i < I; i++) a[i] = gate[i] / (1.f + a[i]) * up[i];
         }
-        failed = specserve_linear(act, T, w[DOWN_W], mode, NULL, H, I, x, H, 1, nthreads);
+        failed = specserve_linear(act, T, w[DOWN_W], mode, NULL, H, I, out, H, accumulate,
+                                  nthreads);
     }
     free(h); free(wide); free(act);
     return failed ? -1 : 0;
+}
+
+/* One decoder layer on the residual stream x [T, hidden], in place: both halves above, each
+ * added to x. Returns 0, or -1 when out of memory. */
+static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
+                      const int64_t *slots, const int64_t *positions, const void *const *w,
+                      float *k_cache, float *v_cache, const float *cos, const float *sin,
+                      const uint8_t *mask, int64_t mask_stride, int nthreads) {
+    if (attention_half(s, T, x, attn_in, slots, positions, w, k_cache, v_cache, cos, sin, mask,
+                       mask_stride, x, 1, nthreads))
+        return -1;
+    return mlp_half(s, T, x, w, x, 1, nthreads);
 }
 
 /* specserve_layer's arguments by name (binding.py mirrors them). */
@@ -757,14 +781,22 @@ typedef struct {
     const float *sin;
     const uint8_t *mask;
     int64_t mask_stride;
+    int64_t half;       /* 0: the whole layer on x; 1, 2: its attention or MLP half into out */
+    float *out;         /* [T, hidden] the half's output (a tensor-parallel partial sum) */
     int nthreads;
 } LayerArgs;
 
 size_t specserve_layer_args_size(void) { return sizeof(LayerArgs); }
 
 int specserve_layer(const LayerArgs *a) {
+    if (a->half < 0 || a->half > 2 || (a->half && !a->out)) return -2;
+    if (a->half == 2) return mlp_half(a->s, a->T, a->x, a->w, a->out, 0, a->nthreads);
     for (int64_t t = 0; t < a->T; t++)
         if (a->positions[t] < 0 || a->positions[t] >= a->s->max_len) return -2;
+    if (a->half == 1)
+        return attention_half(a->s, a->T, a->x, a->attn_in, a->slots, a->positions, a->w,
+                              a->k_cache, a->v_cache, a->cos, a->sin, a->mask, a->mask_stride,
+                              a->out, 0, a->nthreads);
     return layer_impl(a->s, a->T, a->x, a->attn_in, a->slots, a->positions, a->w, a->k_cache,
                       a->v_cache, a->cos, a->sin, a->mask, a->mask_stride, a->nthreads);
 }
@@ -1125,4 +1157,105 @@ int specserve_llama_forward(const LlamaForwardArgs *a) {
                               a->final_norm, a->eps, a->cos_sin, a->w, a->k_cache, a->v_cache,
                               a->mask, a->mask_stride, a->n_aux, a->aux_layers, a->aux, a->hidden,
                               a->nthreads);
+}
+
+/* The all-reduce (sum) of tensor-parallel ranks on one machine, through memory they share:
+ * gloo's TCP collectives cost hundreds of microseconds on a busy 2-core machine, two per layer.
+ * shm: counters [size, 8] int64 (rank r's calls so far at counters[8 r], a cache line each),
+ * then two buffers [2, size, cap] float: call number seq uses buffer seq % 2, where rank r
+ * posts its x at [r]. A rank can be at most one call ahead of the slowest (each call waits for
+ * every rank's post), so the buffer it writes is never one another rank still reads. Every rank
+ * sums the posts in rank order: all get the same bits. */
+typedef struct {
+    float *x;               /* [n] in: this rank's part; out: the sum over ranks */
+    int64_t n;              /* <= cap */
+    int64_t *shm;
+    int64_t cap, rank, size;
+    int64_t seq;            /* this call's number, from 1 */
+    int64_t posted;         /* 1: x was posted by an earlier try that timed out */
+    double timeout_s;       /* wait at most this long, then return 1 (the caller retries) */
+} AllReduceArgs;
+
+size_t specserve_all_reduce_args_size(void) { return sizeof(AllReduceArgs); }
+
+static double seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+int specserve_all_reduce(const AllReduceArgs *a) {
+    if (a->n < 0 || a->n > a->cap || a->rank < 0 || a->rank >= a->size || a->seq < 1) return -2;
+    int64_t *counters = a->shm;
+    float *buf = (float *)(a->shm + 8 * a->size) + (a->seq % 2) * a->size * a->cap;
+    if (!a->posted) {
+        memcpy(buf + a->rank * a->cap, a->x, a->n * sizeof(float));
+        __atomic_store_n(counters + 8 * a->rank, a->seq, __ATOMIC_RELEASE);
+    }
+    const double deadline = seconds() + a->timeout_s;
+    for (int64_t r = 0; r < a->size; r++) {
+        for (int64_t spins = 1; __atomic_load_n(counters + 8 * r, __ATOMIC_ACQUIRE) < a->seq;
+             spins++) {
+            if (spins % 64) {
+#if defined(__x86_64__)
+                __builtin_ia32_pause();
+#endif
+                continue;
+            }
+            if (seconds() > deadline) return 1;
+            sched_yield();      /* the rank it waits for may need this core */
+        }
+    }
+    for (int64_t i = 0; i < a->n; i++) {
+        float sum = buf[i];
+        for (int64_t r = 1; r < a->size; r++) sum += buf[r * a->cap + i];
+        a->x[i] = sum;
+    }
+    return 0;
+}
+
+/* Rank 0's step messages to the tensor-parallel workers of its machine, through the same kind
+ * of shared memory: the uint32 at shm is the number of messages sent (a futex word), the bytes
+ * of the last one follow (written by the caller before specserve_channel_post). A waiting
+ * worker spins a moment (the next step usually comes within microseconds), then sleeps on the
+ * futex, so an idle server's workers use no CPU. */
+typedef struct {
+    uint32_t *shm;
+    uint32_t seen;          /* wait: messages this rank has read (mod 2^32) */
+    double timeout_s;       /* wait: return 1 after this long without a new message */
+} ChannelArgs;
+
+size_t specserve_channel_args_size(void) { return sizeof(ChannelArgs); }
+
+int specserve_channel_post(const ChannelArgs *a) {
+    __atomic_add_fetch(a->shm, 1, __ATOMIC_RELEASE);
+#if defined(__linux__)
+    syscall(SYS_futex, a->shm, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+#endif
+    return 0;
+}
+
+int specserve_channel_wait(const ChannelArgs *a) {
+    const double deadline = seconds() + a->timeout_s;
+    for (int64_t spins = 1; __atomic_load_n(a->shm, __ATOMIC_ACQUIRE) == a->seen; spins++) {
+        if (spins % 64) {
+#if defined(__x86_64__)
+            __builtin_ia32_pause();
+#endif
+            continue;
+        }
+        const double left = deadline - seconds();
+        if (left <= 0) return 1;
+        if (spins < 4096) {
+            sched_yield();
+            continue;
+        }
+#if defined(__linux__)
+        struct timespec ts = {(time_t)left, (long)((left - (time_t)left) * 1e9)};
+        syscall(SYS_futex, a->shm, FUTEX_WAIT, a->seen, &ts, NULL, 0);
+#else
+        sched_yield();
+#endif
+    }
+    return 0;
 }
