@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -89,7 +90,10 @@ class LLMEngine:
             self.proposer = build_proposer(self.spec, DraftContext(
                 target=self.model, target_path=mc.model, num_slots=sc.max_num_seqs,
                 max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                backend=dataclasses.replace(self.backend, quantization=self.spec.quantization)))
+                backend=dataclasses.replace(self.backend, quantization=self.spec.quantization),
+                load_sharded=(functools.partial(self.tp.add, "draft",
+                                                quantization=self.spec.quantization)
+                              if self.spec.draft_tensor_parallel_size > 1 else None)))
             self.draft_max_len = self._draft_max_len(self.spec.max_model_len,
                                                      self.proposer.max_model_len)
             caches += self.proposer.caches
@@ -122,10 +126,11 @@ class LLMEngine:
         if draft_size not in (1, size):
             raise ValueError(f"draft_tensor_parallel_size={draft_size} must be 1 or equal to "
                              f"tensor_parallel_size={size} (vLLM's rule)")
-        if draft_size > 1:
-            raise ValueError(f"draft_tensor_parallel_size={draft_size} (a sharded drafter) is "
-                             "not supported; use 1: the drafter runs whole on rank 0 beside "
-                             "the sharded target (vLLM's advice for EAGLE drafters)")
+        if draft_size > 1 and self.spec.method != "draft_model":
+            raise ValueError(f"draft_tensor_parallel_size={draft_size} shards draft models "
+                             f"(method 'draft_model') only; {self.spec.method!r} runs whole on "
+                             "rank 0 beside the sharded target (vLLM's advice for EAGLE "
+                             "drafters): use draft_tensor_parallel_size=1")
         if size == 1:
             return None
         if self.device.type != "cpu":

@@ -49,6 +49,7 @@ STARTUP_TIMEOUT_S = 600
 # tensors go in parts.
 SHM_CAP = 1 << 20
 STEP_BYTES = 1 << 22            # room for a step's description (a few bytes per row)
+TARGET = "target"               # the name of the model every rank loads first
 
 
 @dataclass(frozen=True)
@@ -81,32 +82,37 @@ def _store(a: WorkerArgs, rank: int) -> dist.TCPStore:
 
 @dataclass
 class _Link:
-    """A rank's connections: the gloo group, and the shared-memory channel of the steps where
-    the ranks use the CPU kernel."""
+    """A rank's connections: the gloo group, the all-reduce of its shards' partial sums, and
+    the shared-memory channel of the steps where the ranks use the CPU kernel."""
     group: dist.ProcessGroup
+    all_reduce: Callable[[torch.Tensor], None]
     channel: SharedMemoryChannel | None
 
 
-def _shard(a: WorkerArgs, rank: int, model: torch.nn.Module, store: dist.TCPStore,
-           check_peers: Callable[[], None]) -> tuple[torch.nn.Module, _Link]:
-    """Join the gloo group (an object of its own: no process-global default group) and keep
-    this rank's shard of `model`, ready for inference on the CPU. `check_peers` raises when a
-    rank that shared memory waits for is gone."""
+def _link(a: WorkerArgs, rank: int, store: dist.TCPStore,
+          check_peers: Callable[[], None]) -> _Link:
+    """Join the gloo group (an object of its own: no process-global default group).
+    `check_peers` raises when a rank that shared memory waits for is gone."""
     group = dist.ProcessGroupGloo(store, rank, a.size,
                                   datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-    backend = Backend(torch.device("cpu"), resolve_dtype(a.dtype), a.cpu_kernel,
-                      quantization=a.quantization)
     if a.shm is None:
-        reduce, channel = gloo_all_reduce(group), None
-    else:
-        lib = load_library()
-        reduce = SharedMemoryAllReduce(lib, a.shm[0], rank, a.size, SHM_CAP, check_peers)
-        channel = SharedMemoryChannel(lib, a.shm[1], check_peers)
-    return backend.prepare(shard(model, rank, a.size, reduce)), _Link(group, channel)
+        return _Link(group, gloo_all_reduce(group), None)
+    lib = load_library()
+    return _Link(group, SharedMemoryAllReduce(lib, a.shm[0], rank, a.size, SHM_CAP, check_peers),
+                 SharedMemoryChannel(lib, a.shm[1], check_peers))
 
 
-def _load(a: WorkerArgs) -> torch.nn.Module:
-    return load_model(a.model, resolve_dtype(a.dtype), torch.device("cpu"), max_len=a.max_len)
+def _load(a: WorkerArgs, path: str, max_len: int) -> torch.nn.Module:
+    return load_model(path, resolve_dtype(a.dtype), torch.device("cpu"), max_len=max_len)
+
+
+def _shard(a: WorkerArgs, rank: int, link: _Link, model: torch.nn.Module,
+           quantization: str | None) -> torch.nn.Module:
+    """This rank's shard of `model`, ready for inference on the CPU (a shard's all-reduces
+    are the link's: every rank runs its models' steps in the same order)."""
+    backend = Backend(torch.device("cpu"), resolve_dtype(a.dtype), a.cpu_kernel,
+                      quantization=quantization)
+    return backend.prepare(shard(model, rank, a.size, link.all_reduce))
 
 
 def _rank0_alive(parent: int) -> None:
@@ -115,17 +121,29 @@ def _rank0_alive(parent: int) -> None:
 
 
 def _worker(a: WorkerArgs, rank: int) -> None:
+    """Rank `rank`'s loop: load and shard the target, then run the steps rank 0 sends (of the
+    target, or of a model it asked every rank to add: a sharded drafter)."""
     torch.set_num_threads(a.threads)
     parent = os.getppid()
     store = _store(a, rank)
-    model = _load(a)
+    model = _load(a, a.model, a.max_len)
     store.set(f"loaded{rank}", "1")
-    model, link = _shard(a, rank, model, store, lambda: _rank0_alive(parent))
-    cache = make_kv_cache(model, a.num_slots, a.max_len)
+    link = _link(a, rank, store, lambda: _rank0_alive(parent))
+    model = _shard(a, rank, link, model, a.quantization)
+    models = {TARGET: (model, make_kv_cache(model, a.num_slots, a.max_len))}
     link.group.allreduce([torch.zeros(1)]).wait()                # ready
     with torch.inference_mode():
         while data := _receive(link):
-            ids, positions, md = step_inputs(json.loads(data), torch.device("cpu"))
+            msg = json.loads(data)
+            if "add" in msg:
+                m = msg["add"]
+                model = _shard(a, rank, link, _load(a, m["path"], m["max_len"]),
+                               m["quantization"])
+                models[m["name"]] = (model, make_kv_cache(model, a.num_slots, m["max_len"]))
+                link.group.allreduce([torch.zeros(1)]).wait()    # added
+                continue
+            model, cache = models[msg["model"]]
+            ids, positions, md = step_inputs(msg, torch.device("cpu"))
             model(ids, positions, md, cache.layers)
 
 
@@ -201,20 +219,37 @@ class TensorParallel:
 
     def load(self) -> torch.nn.Module:
         """Rank 0's shard; returns once every worker has loaded and sharded its own."""
-        model = _load(self.args)
+        model = _load(self.args, self.args.model, self.args.max_len)
         keys = [f"loaded{w}" for w in range(1, self.args.size)]
         self._poll(lambda: self.store.check(keys), "loading the model")
         # not a method: the link outlives this object (the finalizer that stops the workers
         # holds it) and must not keep it alive
-        model, link = _shard(self.args, 0, model, self.store,
-                             functools.partial(_check_alive, self.workers, "a step"))
+        link = _link(self.args, 0, self.store,
+                     functools.partial(_check_alive, self.workers, "a step"))
         self._links.append(link)
-        self._collective(lambda: link.group.allreduce([torch.zeros(1)]), "sharding the model")
+        model = _shard(self.args, 0, link, model, self.args.quantization)
+        self._collective(lambda: link.group.allreduce([torch.zeros(1)]), "loading the model")
         return model
 
-    def step(self, step: dict) -> None:
-        """Send a step (see `step_inputs`) to the workers; rank 0 then runs its own shard."""
-        link, data = self._links[0], json.dumps(step).encode()
+    def add(self, name: str, path: str, max_len: int,
+            quantization: str | None = None) -> ShardedModel:
+        """Every rank loads its shard of the Llama-family model in `path` (a draft model of
+        draft_tensor_parallel_size > 1) and a KV cache for it of `max_len` positions; returns
+        rank 0's, whose forward runs the step on every rank."""
+        link = self._links[0]
+        self.send({"add": {"name": name, "path": path, "max_len": max_len,
+                           "quantization": quantization}})
+        model = _shard(self.args, 0, link, _load(self.args, path, max_len), quantization)
+        self._collective(lambda: link.group.allreduce([torch.zeros(1)]), f"loading {path}")
+        return ShardedModel(model, self, name)
+
+    def step(self, step: dict, model: str = TARGET) -> None:
+        """Send a step (see `step_inputs`) of `model` to the workers; rank 0 then runs its own
+        shard."""
+        self.send({**step, "model": model})
+
+    def send(self, message: dict) -> None:
+        link, data = self._links[0], json.dumps(message).encode()
         if link.channel is not None:
             self._check_workers("a step")
             link.channel.send(data)
@@ -262,3 +297,31 @@ class TensorParallel:
 
     def close(self) -> None:
         self._stopper()
+
+
+class ShardedModel(torch.nn.Module):
+    """Rank 0's shard of a model added to every rank (`TensorParallel.add`): each forward
+    first sends its step to the workers, rebuilt from the metadata (causal runs: a draft
+    model's steps)."""
+
+    def __init__(self, shard: torch.nn.Module, tp: TensorParallel, name: str) -> None:
+        super().__init__()
+        self.shard, self.name, self._tp = shard, name, tp
+        self.args, self.tp_size = shard.args, shard.tp_size
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, md, kv_caches):
+        if md.tree or not torch.equal(positions, md.positions):
+            raise ValueError("a sharded drafter runs causal steps only")
+        slots, pos = md.token_slots.tolist(), md.positions.tolist()
+        firsts = [t for t in range(len(slots)) if t == 0 or slots[t] != slots[t - 1]]
+        ends = firsts[1:] + [len(slots)]
+        self._tp.step({"ids": ids.tolist(), "starts": [pos[t] for t in firsts],
+                       "lens": [e - t for t, e in zip(firsts, ends)],
+                       "slots": [slots[t] for t in firsts], "tree": None}, self.name)
+        return self.shard(ids, positions, md, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.shard.compute_logits(hidden)
+
+    def kernel_chain(self, caches) -> None:
+        return None                     # its passes all-reduce: one C call cannot run them

@@ -65,6 +65,9 @@ class DraftContext:
     max_model_len: int              # the target's context length
     vocab_size: int
     backend: Backend                # the drafter's: the target's, with speculative quantization
+    # With draft_tensor_parallel_size > 1: loads a Llama-family draft model (directory, context
+    # length) sharded over the target's ranks, ready to run; None: drafters run whole here.
+    load_sharded: Callable[[str, int], nn.Module] | None = None
 
     @property
     def device(self) -> torch.device:

@@ -53,15 +53,17 @@ class DraftModelProposer(ProposerBase):
         # past its context the engine decodes without drafts (the draft must see every token)
         self.max_model_len = limit = min(draft_cfg.get("max_position_embeddings", 2048),
                                          ctx.max_model_len)
-        self.model = ctx.backend.prepare(load_model(config.model, ctx.dtype, ctx.device,
-                                                    max_len=limit))
+        self.model = (ctx.load_sharded(config.model, limit) if ctx.load_sharded is not None
+                      else ctx.backend.prepare(load_model(config.model, ctx.dtype, ctx.device,
+                                                          max_len=limit)))
         if self.model.args.vocab_size != ctx.vocab_size:
             raise ValueError(
                 f"draft model {config.model} has vocab_size {self.model.args.vocab_size} but the "
                 f"target has {ctx.vocab_size}; a draft must share the target's vocabulary")
         a = self.model.args
         # the model's own dtype: bfloat16 weights that the CPU kernel runs keep float32 KV
-        self.cache = ctx.new_kv_cache(a.num_hidden_layers, a.num_key_value_heads, limit,
+        self.cache = ctx.new_kv_cache(a.num_hidden_layers,
+                                      a.num_key_value_heads // self.model.tp_size, limit,
                                       a.head_dim, model_tensor(self.model).dtype)
         self.caches = [self.cache]
         self.modules = {"draft model": self.model}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
+from specserve.engine.tensor_parallel import ShardedModel
 from specserve.kernels.cpu import (
     SharedMemoryAllReduce,
     SharedMemoryChannel,
@@ -55,12 +56,15 @@ def test_two_ranks_give_one_ranks_logits_for_every_architecture(hf_model):
             assert gx == pytest.approx(wx, abs=1e-4), arch             # float32 sum order
 
 
-@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle3"])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "draft_model_sharded",
+                                    "eagle3"])
 def test_greedy_output_with_two_ranks_is_one_ranks(method, llama_dir, draft_dir, tmp_path):
     from tests.methods.test_heads import eagle3_ckpt
     spec = {"none": None,
             "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
             "draft_model": {"model": str(draft_dir), "num_speculative_tokens": 3},
+            "draft_model_sharded": {"model": str(draft_dir), "num_speculative_tokens": 3,
+                                    "draft_tensor_parallel_size": TP},
             "eagle3": {"model": str(eagle3_ckpt(tmp_path / "e3")), "num_speculative_tokens": 3,
                        "draft_tensor_parallel_size": 1}}[method]
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(5, seed=2)]
@@ -69,6 +73,13 @@ def test_greedy_output_with_two_ranks_is_one_ranks(method, llama_dir, draft_dir,
     llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=TP, max_num_seqs=3,
               max_num_batched_tokens=16, speculative_config=spec)   # chunks, continuous batching
     assert [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(30), use_tqdm=False)] == ref
+    if method == "draft_model_sharded":          # rank 0 holds half the draft's KV heads
+        draft = llm.engine.proposer.model
+        assert isinstance(draft, ShardedModel) and draft.tp_size == TP
+        assert (llm.engine.proposer.cache.layers[0][0].shape[1]
+                == draft.args.num_key_value_heads // TP)
+    if method != "none":
+        assert llm.get_stats()["spec_decode_num_drafts"] > 0
     llm.engine.close()
 
 
@@ -175,6 +186,11 @@ def test_sizes_that_cannot_split_the_model_are_refused_before_any_process(llama_
     with pytest.raises(ValueError, match="must be 1 or equal to tensor_parallel_size=2"):
         LLM(str(llama_dir), device="cpu", tensor_parallel_size=2, speculative_config={
             "method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 4})
+    with pytest.raises(ValueError, match="shards draft models .method 'draft_model'. only; "
+                                         "'eagle3' runs whole on rank 0"):
+        LLM(str(llama_dir), device="cpu", tensor_parallel_size=2, speculative_config={
+            "method": "eagle3", "model": str(llama_dir), "num_speculative_tokens": 2,
+            "draft_tensor_parallel_size": 2})
     assert multiprocessing.active_children() == []
 
 
