@@ -37,6 +37,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 QUANTIZATIONS = ("int8",)
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 
 def check_quantization(value: str | None, key: str = "quantization") -> None:
@@ -62,6 +63,11 @@ class ModelConfig:
         "help": "int8: quantize the weights at load (symmetric, one scale per output column) "
                 "and multiply them in the CPU kernel, widened in registers: a quarter of "
                 "float32's bytes per step, half of bfloat16's"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "auto: the target's KV cache in the dtype it computes in (float32 on the CPU "
+                "kernel, bfloat16 weights included); bfloat16: held in bfloat16 (half the "
+                "memory and attention reads; keys and values rounded once, as they are "
+                "written)"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: run every step eagerly instead of replaying CUDA graphs captured for "
                 "decode, verify and draft-chain steps (vLLM's flag)"})
@@ -78,6 +84,9 @@ class ModelConfig:
         resolve_dtype(self.dtype)
         resolve_device(self.device)
         check_quantization(self.quantization)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one "
+                             f"of {', '.join(KV_CACHE_DTYPES)}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:

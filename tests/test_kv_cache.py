@@ -30,3 +30,40 @@ def test_move_copies_positions_of_one_slot_in_every_layer():
         assert torch.equal(k[0], k0[0])              # the other slot is untouched
         assert torch.equal(k[1, :, 4:], k0[1, :, 4:])
     assert c.nbytes() == 2 * 2 * 2 * 8 * 4 * 4
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_a_bfloat16_kv_cache_takes_half_the_memory_and_speculation_stays_lossless(
+        cpu_kernel, llama_dir, draft_dir, tmp_path):
+    """kv_cache_dtype="bfloat16": the target's cache holds bfloat16 (half the bytes), the
+    kernel and the PyTorch path read it alike (greedy tokens equal), and greedy output with
+    each drafter equals the same engine's without speculation, beside sampled requests."""
+    from specserve import LLM, SamplingParams, TokensPrompt
+    from tests.methods.test_heads import eagle3_ckpt
+    g = torch.Generator().manual_seed(5)
+    ps = [TokensPrompt(prompt_token_ids=torch.randint(3, 96, (n,), generator=g).tolist())
+          for n in (4, 19, 33, 8, 27, 12)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref_llm = LLM(str(llama_dir), device="cpu", kv_cache_dtype="bfloat16")
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(ps, greedy, use_tqdm=False)]
+    f32 = LLM(str(llama_dir), device="cpu")
+    assert ref_llm.engine.cache.layers[0][0].dtype == torch.bfloat16
+    assert 2 * ref_llm.engine.cache.nbytes() == f32.engine.cache.nbytes()
+    params = [greedy, SamplingParams(temperature=0.8, seed=1, max_tokens=10)] * 3
+    for spec in (None, {"method": "ngram", "prompt_lookup_min": 1},
+                 {"method": "draft_model", "model": str(draft_dir)},
+                 {"method": "eagle3", "model": str(eagle3_ckpt(tmp_path / "e3"))}):
+        llm = LLM(str(llama_dir), device="cpu", kv_cache_dtype="bfloat16", cpu_kernel=cpu_kernel,
+                  speculative_config=spec and spec | {"num_speculative_tokens": 3})
+        assert (llm.engine.model.layers[0].cpu_layer is not None) == cpu_kernel
+        out = llm.generate(ps, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in out[::2]] == ref[::2], spec
+        if spec is not None:
+            assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
+
+
+def test_kv_cache_dtypes_it_cannot_hold_are_refused(llama_dir):
+    from specserve import LLM
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported; use one of "
+                                         "auto, bfloat16"):
+        LLM(str(llama_dir), device="cpu", kv_cache_dtype="fp8")

@@ -77,7 +77,7 @@ class LLMEngine:
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = _eos_ids(mc.model, hf, self.tokenizer)
         self.cache = make_kv_cache(self.model, sc.max_num_seqs, self.max_model_len,
-                                   self.backend.cuda_graphs)
+                                   self.backend.cuda_graphs, mc.kv_cache_dtype)
         self.runner = ModelRunner(self.model, self.cache, self.device,
                                   self.backend.graphs(self.model, self.cache, sc.max_num_seqs),
                                   self.tp)
@@ -139,7 +139,7 @@ class LLMEngine:
         check_divisible(LlamaArgs.from_hf_config(hf, str(Path(mc.model) / "config.json")),
                         size)
         return TensorParallel(mc.model, size, mc.dtype, self.max_model_len, sc.max_num_seqs,
-                              mc.cpu_kernel, mc.quantization)
+                              mc.cpu_kernel, mc.quantization, mc.kv_cache_dtype)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (also done when the engine is collected)."""

@@ -60,6 +60,7 @@ class WorkerArgs:
     num_slots: int
     cpu_kernel: bool
     quantization: str | None
+    kv_cache_dtype: str
     size: int
     addr: str
     port: int
@@ -130,7 +131,8 @@ def _worker(a: WorkerArgs, rank: int) -> None:
     store.set(f"loaded{rank}", "1")
     link = _link(a, rank, store, lambda: _rank0_alive(parent))
     model = _shard(a, rank, link, model, a.quantization)
-    models = {TARGET: (model, make_kv_cache(model, a.num_slots, a.max_len))}
+    models = {TARGET: (model, make_kv_cache(model, a.num_slots, a.max_len,
+                                            kv_cache_dtype=a.kv_cache_dtype))}
     link.group.allreduce([torch.zeros(1)]).wait()                # ready
     with torch.inference_mode():
         while data := _receive(link):
@@ -194,7 +196,8 @@ class TensorParallel:
     """Rank 0's side: starts the workers, holds the group, sends each step."""
 
     def __init__(self, model: str, size: int, dtype: str, max_len: int, num_slots: int,
-                 cpu_kernel: bool, quantization: str | None = None) -> None:
+                 cpu_kernel: bool, quantization: str | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         if size < 2:
             raise ValueError("tensor parallelism needs tensor_parallel_size >= 2")
         port = int(os.environ.get("MASTER_PORT") or _free_port())
@@ -205,8 +208,9 @@ class TensorParallel:
                 torch.zeros(SharedMemoryChannel.HEADER + STEP_BYTES,
                             dtype=torch.uint8).share_memory_())
                if cpu_kernel and load_library() is not None else None)
-        self.args = WorkerArgs(model, dtype, max_len, num_slots, cpu_kernel, quantization, size,
-                               os.environ.get("MASTER_ADDR", "127.0.0.1"), port, threads, shm)
+        self.args = WorkerArgs(model, dtype, max_len, num_slots, cpu_kernel, quantization,
+                               kv_cache_dtype, size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                               port, threads, shm)
         self.store = _store(self.args, 0)              # the server: before any worker
         ctx = mp.get_context("spawn")
         self.workers = [ctx.Process(target=_worker, args=(self.args, rank), daemon=True,

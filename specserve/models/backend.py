@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specserve.config import resolve_dtype
 from specserve.kernels.cpu import cpu_features, max_rows
 from specserve.kv_cache import KVCache
 from specserve.models.cuda_graphs import CudaGraphs
@@ -64,10 +65,11 @@ def release_freed_memory() -> None:
 
 
 def make_kv_cache(model: nn.Module, num_slots: int, max_len: int,
-                  scratch_slot: bool = False) -> KVCache:
+                  scratch_slot: bool = False, kv_cache_dtype: str = "auto") -> KVCache:
     """A KV cache for `model`'s layers (its own share of the KV heads when it is one rank's
-    tensor-parallel shard)."""
+    tensor-parallel shard), in the dtype the model computes in or `kv_cache_dtype`."""
     a = model.args
     p = model_tensor(model)
+    dtype = p.dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype)
     return KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads // model.tp_size,
-                   max_len, a.head_dim, p.dtype, p.device, scratch_slot)
+                   max_len, a.head_dim, dtype, p.device, scratch_slot)

@@ -223,15 +223,16 @@ class Attention(nn.Module):
     def _cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 md: AttentionMetadata, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, Hkv, D]; cache tensors: [num_slots, Hkv, max_len, D]
-        k_cache, v_cache = cache
-        k_cache[md.token_slots, :, md.positions] = k
-        v_cache[md.token_slots, :, md.positions] = v
+        k_cache, v_cache = cache                  # held in bfloat16 with kv_cache_dtype
+        k_cache[md.token_slots, :, md.positions] = k.to(k_cache.dtype)
+        v_cache[md.token_slots, :, md.positions] = v.to(v_cache.dtype)
         B, Q, L = md.batch_size, md.max_query_len, md.max_kv_len
         if B == 1 and md.first_slot is not None:
             s = md.first_slot
             keys, values = k_cache[s:s + 1, :, :L], v_cache[s:s + 1, :, :L]   # views
         else:
             keys, values = k_cache[md.slot_ids, :, :L], v_cache[md.slot_ids, :, :L]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
         if md.pad_index is None:
             qp = q.view(B, Q, self.num_heads, self.head_dim)
         else:

@@ -17,6 +17,7 @@ from specserve.kernels.cpu import (
     SharedMemoryAllReduce,
     SharedMemoryChannel,
     load_library,
+    max_rows,
     shm_numel,
 )
 from tests.test_spec_decode import _greedy, repetitive_prompts
@@ -80,6 +81,24 @@ def test_greedy_output_with_two_ranks_is_one_ranks(method, llama_dir, draft_dir,
                 == draft.args.num_key_value_heads // TP)
     if method != "none":
         assert llm.get_stats()["spec_decode_num_drafts"] > 0
+    llm.engine.close()
+
+
+def test_a_prompt_chunk_longer_than_a_kernel_step_sums_over_shared_memory_too(tmp_path):
+    """Past the kernel's longest step a shard's layers run in PyTorch (their matrix products
+    still in the kernel), their partial sums through the same shared memory."""
+    from tests.conftest import make_hf_model
+    if load_library() is None:
+        pytest.skip("no C compiler: the CPU kernel cannot be built here")
+    make_hf_model("llama", tmp_path, max_position_embeddings=1024)
+    n = max_rows(load_library()) + 40
+    ps = [TokensPrompt(prompt_token_ids=(list(range(3, 90)) * 20)[:n])]
+    kw = {"device": "cpu", "max_model_len": n + 16, "max_num_batched_tokens": n}
+    ref = LLM(str(tmp_path), **kw).generate(ps, _greedy(8), use_tqdm=False)
+    llm = LLM(str(tmp_path), tensor_parallel_size=TP, **kw)
+    out = llm.generate(ps, _greedy(8), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert isinstance(llm.engine.model.layers[0].all_reduce, SharedMemoryAllReduce)
     llm.engine.close()
 
 

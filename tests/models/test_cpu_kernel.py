@@ -83,11 +83,11 @@ def _uses_kernel(model) -> bool:
     return all(layer.cpu_layer is not None for layer in model.layers)
 
 
-def _stepper(path, slots: int = 4):
+def _stepper(path, slots: int = 4, kv_dtype: torch.dtype = torch.float32):
     model = use_decode_linears(load_model(path, torch.float32, torch.device("cpu")))
     a = model.args
     cache = KVCache(a.num_hidden_layers, slots, a.num_key_value_heads, 64, a.head_dim,
-                    torch.float32, torch.device("cpu"))
+                    kv_dtype, torch.device("cpu"))
     return model, cache
 
 
@@ -118,21 +118,23 @@ def test_a_row_does_not_depend_on_what_else_is_in_the_step(hf_model):
     assert torch.equal(alone[0], together[0]) and torch.equal(kv_alone, kv_together)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [{}, {"head_dim": 64, "hidden_size": 96,
                                          "num_attention_heads": 3, "num_key_value_heads": 1},
                                    {"head_dim": 24, "num_attention_heads": 4}])
-def test_a_five_row_verify_equals_five_decodes_bit_for_bit(shape, tmp_path):
+def test_a_five_row_verify_equals_five_decodes_bit_for_bit(shape, kv_dtype, tmp_path):
     """The lossless-greedy property at its root: the rows of a causal run (whose queries share
     passes over the values, each seeing one key more than the last) come out exactly as the
     same tokens decoded one at a time. head_dim 16, 64 (three query heads per KV head, as in
-    the bundled target) and 24 (not a multiple of the vector width)."""
+    the bundled target) and 24 (not a multiple of the vector width); the KV cache in float32
+    and in bfloat16."""
     from tests.conftest import make_hf_model
     make_hf_model("llama", tmp_path, **shape)
     g = torch.Generator().manual_seed(3)
     prompt, feed = (torch.randint(0, 96, (n,), generator=g).tolist() for n in (37, 5))
     outs = []
     for one_by_one in (False, True):
-        model, cache = _stepper(tmp_path)
+        model, cache = _stepper(tmp_path, kv_dtype=kv_dtype)
         assert _uses_kernel(model)
         _step(model, cache, [prompt], [0], [1])
         if one_by_one:

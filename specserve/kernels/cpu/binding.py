@@ -42,7 +42,7 @@ _I64 = ctypes.c_int64
 class _Shape(ctypes.Structure):
     _fields_ = [(n, _I64) for n in ("hidden", "num_heads", "num_kv_heads", "head_dim",
                                     "intermediate", "attn_in", "max_len", "mode",
-                                    "rot_stride")] + [
+                                    "rot_stride", "kv_bf16")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
@@ -274,7 +274,7 @@ class CpuLayer:
                                              for t in tensors))
         self.shape = _Shape(at.o_proj.out_features, at.num_heads, at.num_kv_heads, at.head_dim,
                             mlp.intermediate, at.qkv_proj.in_features, 0,
-                            weight_mode(at.qkv_proj.kernel_weight), 0,
+                            weight_mode(at.qkv_proj.kernel_weight), 0, 0,
                             layer.post_attention_layernorm.eps, at.scale)
         self._args = _LayerArgs(s=ctypes.pointer(self.shape), w=ctypes.cast(self.weights, _P))
 
@@ -300,9 +300,7 @@ class CpuLayer:
         each is completed in place by reduce() before it is added to the stream."""
         k_cache, v_cache = cache                      # [num_slots, num_kv_heads, max_len, D]
         if cache is not self._cache:
-            if not (k_cache.is_contiguous() and v_cache.is_contiguous()
-                    and k_cache.dtype == torch.float32):
-                raise ValueError("CpuLayer: KV cache tensors must be contiguous float32")
+            self.shape.kv_bf16 = kv_bf16(cache, "CpuLayer")
             self._cache = cache
             self.shape.max_len = k_cache.shape[2]
             self._args.k_cache, self._args.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
@@ -388,7 +386,7 @@ class HeadChain(_Chain):
                          (embed, e_norm, h_norm, fc, fc_bias, final_norm, lm_head, d2t))
         self.layer, self.vocab = layer, vocab
         self.shape = _Shape.from_buffer_copy(layer.shape)
-        self.shape.max_len = cache[0].shape[2]
+        self.shape.max_len, self.shape.kv_bf16 = cache[0].shape[2], kv_bf16(cache, "HeadChain")
         self.fc_mode = 0 if fc is None else weight_mode(fc)
         self.lm_mode = weight_mode(lm_head)
 
@@ -448,8 +446,8 @@ class _LayerArrays:
         self.k = self.v = None
 
     def use(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for sh, (k, _) in zip(self.shapes, caches):
-            sh.max_len = k.shape[2]
+        for sh, (k, v) in zip(self.shapes, caches):
+            sh.max_len, sh.kv_bf16 = k.shape[2], kv_bf16((k, v), "the kernel")
         self.k = (_P * len(caches))(*(k.data_ptr() for k, _ in caches))
         self.v = (_P * len(caches))(*(v.data_ptr() for _, v in caches))
 
@@ -516,9 +514,6 @@ class LlamaForward:
         position a step writes (below the cache length) must have its rotary row."""
         if caches is self._caches:
             return
-        if not all(k.is_contiguous() and v.is_contiguous() and k.dtype == torch.float32
-                   for k, v in caches):
-            raise ValueError("LlamaForward: KV cache tensors must be contiguous float32")
         rotary = self._keep[2].shape[0]
         if any(k.shape[2] > rotary for k, _ in caches):
             raise ValueError(f"LlamaForward: the KV cache holds more positions than the "
@@ -619,6 +614,15 @@ class SharedMemoryChannel:
 def shm_numel(size: int, cap: int) -> int:
     """int64 elements of SharedMemoryAllReduce's shared tensor: counters and two buffers."""
     return 8 * size + size * cap       # 2 * size * cap float32 = size * cap int64
+
+
+def kv_bf16(cache: tuple[torch.Tensor, torch.Tensor], who: str) -> int:
+    """1 where a layer's KV cache holds bfloat16, 0 for float32 (what the kernel reads)."""
+    k, v = cache
+    if not (k.is_contiguous() and v.is_contiguous() and k.dtype == v.dtype
+            and k.dtype in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"{who}: KV cache tensors must be contiguous float32 or bfloat16")
+    return int(k.dtype == torch.bfloat16)
 
 
 def _check_rc(rc: int, who: str) -> None:

@@ -59,6 +59,40 @@ static inline vf widen_i8(const int8_t *p) {
     return v;
 }
 
+/* VL bfloat16 values widened to floats (exactly) */
+static inline vf widen_bf16(const uint16_t *p) {
+    vf v;
+#if VL == 16
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)),
+                                        16);
+    memcpy(&v, &w, sizeof v);
+#elif defined(__AVX2__)
+    const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)),
+                                        16);
+    memcpy(&v, &w, sizeof v);
+#else
+    for (int j = 0; j < VL; j++) {
+        const uint32_t u = (uint32_t)p[j] << 16;
+        memcpy(&v[j], &u, 4);
+    }
+#endif
+    return v;
+}
+
+/* KV cache elements (float32, or bfloat16 where the cache holds them so: `bf16`) from element
+ * i of `base`: VL of them as floats, or one. */
+static inline vf load_kv(const void *base, int64_t i, int bf16) {
+    return bf16 ? widen_bf16((const uint16_t *)base + i) : loadv((const float *)base + i);
+}
+
+static inline float kv_at(const void *base, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)base)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)base)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 static inline float hsum(vf s) {
     float b[VL];
     memcpy(b, &s, sizeof b);
@@ -262,8 +296,8 @@ static void to_pairs(const float *x, int64_t T, int64_t in, uint32_t *out) {
 int specserve_block(void) { return VL; }
 
 /* The longest step the kernel takes whole; longer prompt chunks run layer by layer through
- * PyTorch, their matrix products still in specserve_linear. In a throwaway timing of the bundled target's forward on a Zen 4 machine, the
- * kernel built for AVX-512 was the faster at every length up to 512 rows (in bfloat16 2.3-3.4x
+ * PyTorch, their matrix products still in specserve_linear. In a throwaway timing of the
+ * bundled target's forward on a Zen 4 machine, the kernel built for AVX-512 was the faster at every length up to 512 rows (in bfloat16 2.3-3.4x
  * from 64 rows on, in float32 1.3-2.1x); built for haswell (AVX2) it tied at 64 rows and was
  * 1.5x slower at 512. */
 int specserve_max_rows(void) { return VL == 16 ? 512 : 48; }
@@ -502,14 +536,14 @@ static float softmax_weights(float *x, int64_t L, const uint8_t *keep) {
  * order of j, as it would for that query alone. */
 static inline __attribute__((always_inline)) void wsum_pass(const float *p, int64_t ldp,
                                                             int nq, int nv, int64_t L,
-                                                            const float *v, int64_t D,
-                                                            float *const *out) {
+                                                            const void *v, int64_t D,
+                                                            int bf16, float *const *out) {
     vf acc[8][8];
     for (int q = 0; q < nq; q++)
         for (int c = 0; c < nv; c++) acc[q][c] = (vf){0};
     for (int64_t j = 0; j < L; j++) {
         vf vv[8];
-        for (int c = 0; c < nv; c++) vv[c] = loadv(v + j * D + c * VL);
+        for (int c = 0; c < nv; c++) vv[c] = load_kv(v, j * D + c * VL, bf16);
         for (int q = 0; q < nq; q++) {
             const float w = p[q * ldp + j];
             for (int c = 0; c < nv; c++) acc[q][c] += w * vv[c];
@@ -519,7 +553,7 @@ static inline __attribute__((always_inline)) void wsum_pass(const float *p, int6
         for (int c = 0; c < nv; c++) storev(out[q] + c * VL, acc[q][c]);
 }
 
-#define WS(NQ, NV) case NQ * 16 + NV: wsum_pass(pr, ldp, NQ, NV, Lc, v, D, out); break;
+#define WS(NQ, NV) case NQ * 16 + NV: wsum_pass(pr, ldp, NQ, NV, Lc, v, D, bf16, out); break;
 #define WS8(NV) WS(1, NV) WS(2, NV) WS(3, NV) WS(4, NV) WS(5, NV) WS(6, NV) WS(7, NV) WS(8, NV)
 
 /* The attention outputs of nq queries over the values v [L, D] of one KV head: query r is head
@@ -527,8 +561,8 @@ static inline __attribute__((always_inline)) void wsum_pass(const float *p, int6
  * its softmax weights are p + r * ldp, scaled by inv[r], and it sees L = lens[r / group]
  * keys (lens rises). o_r[d] = inv[r] * sum_j p_r[j] v[j * D + d], summed in order of j. */
 static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group,
-                          const int64_t *lens, const float *v, int64_t D, const float *inv,
-                          float *o, int64_t ld) {
+                          const int64_t *lens, const void *v, int64_t D, int bf16,
+                          const float *inv, float *o, int64_t ld) {
     const int64_t nv = D % VL == 0 ? D / VL : 0;
     const int fast = nv == 1 || nv == 2 || nv == 4 || nv == 8;
     const int64_t per = !fast ? 1 : ACC / nv < 8 ? ACC / nv : 8;
@@ -543,14 +577,15 @@ static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group
         } else {
             for (int64_t d = 0; d < D; d++) {
                 float r = 0.f;
-                for (int64_t j = 0; j < Lc; j++) r += pr[j] * v[j * D + d];
+                for (int64_t j = 0; j < Lc; j++) r += pr[j] * kv_at(v, j * D + d, bf16);
                 out[0][d] = r;
             }
         }
         for (int64_t k = 0; k < n; k++) {     /* the keys this query sees beyond the pass's */
             const float *pk = pr + k * ldp;
             for (int64_t j = Lc; j < lens[(r0 + k) / group]; j++)
-                for (int64_t d = 0; d < D; d++) out[k][d] += pk[j] * v[j * D + d];
+                for (int64_t d = 0; d < D; d++)
+                    out[k][d] += pk[j] * kv_at(v, j * D + d, bf16);
             for (int64_t d = 0; d < D; d++) out[k][d] *= inv[r0 + k];
         }
     }
@@ -566,14 +601,15 @@ static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group
 #define SCORES16 0
 #endif
 #if SCORES16
-static void scores16(const float *q, const float *keys, int64_t n, int64_t D, float scale,
-                     float *out) {
+static void scores16(const float *q, const void *keys, int64_t n, int64_t D, int bf16,
+                     float scale, float *out) {
     typedef float v16 __attribute__((vector_size(64)));
     v16 part[16];
     for (int64_t i = 0; i < 16; i++) {
         v16 acc = {0};
         if (i < n)
-            for (int64_t c = 0; c < D; c += 16) acc += loadv(q + c) * loadv(keys + i * D + c);
+            for (int64_t c = 0; c < D; c += 16)
+                acc += loadv(q + c) * load_kv(keys, i * D + c, bf16);
         part[i] = acc;
     }
     typedef int32_t m16 __attribute__((vector_size(64)));
@@ -603,16 +639,27 @@ static void scores16(const float *q, const float *keys, int64_t n, int64_t D, fl
 }
 #endif
 
-/* out[i] = scale * q . k[i] for n <= 16 keys k[i] = keys + i * D */
-static void scores(const float *q, const float *keys, int64_t n, int64_t D, float scale,
-                   float *out) {
+/* out[i] = scale * q . k[i] for n <= 16 keys k[i] at element i * D of keys */
+static void scores(const float *q, const void *keys, int64_t n, int64_t D, int bf16,
+                   float scale, float *out) {
 #if SCORES16
     if (D % 16 == 0 && D <= 256) {
-        scores16(q, keys, n, D, scale, out);
+        scores16(q, keys, n, D, bf16, scale, out);
         return;
     }
 #endif
-    for (int64_t i = 0; i < n; i++) out[i] = dot(q, keys + i * D, D) * scale;
+    for (int64_t i = 0; i < n; i++) {
+        if (!bf16) {
+            out[i] = dot(q, (const float *)keys + i * D, D) * scale;
+            continue;
+        }
+        vf acc = {0};           /* bfloat16 keys: dot()'s order with one accumulator */
+        int64_t c = 0;
+        for (; c + VL <= D; c += VL) acc += loadv(q + c) * load_kv(keys, i * D + c, 1);
+        float r = hsum(acc);
+        for (; c < D; c++) r += q[c] * kv_at(keys, i * D + c, 1);
+        out[i] = r * scale;
+    }
 }
 
 /* A layer's weights, in the order binding.py passes them (NULL where a layer has none). */
@@ -624,6 +671,7 @@ typedef struct {
     int64_t max_len;        /* KV positions per slot */
     int64_t mode;           /* how the four weight matrices are packed: F32, BF16, PAIRS, I8 */
     int64_t rot_stride;     /* floats from one row's cos (or sin) to the next row's */
+    int64_t kv_bf16;        /* 1: the KV cache holds bfloat16 (rounded to nearest even) */
     float eps, scale;
 } Shape;
 
@@ -640,13 +688,14 @@ typedef struct {
  * when out of memory. */
 static int attention_half(const Shape *s, int64_t T, const float *x, const float *attn_in,
                           const int64_t *slots, const int64_t *positions, const void *const *w,
-                          float *k_cache, float *v_cache, const float *cos, const float *sin,
+                          void *k_cache, void *v_cache, const float *cos, const float *sin,
                           const uint8_t *mask, int64_t mask_stride, float *out, int accumulate,
                           int nthreads) {
     const int64_t H = s->hidden, NH = s->num_heads, NKV = s->num_kv_heads, D = s->head_dim;
     const int64_t QKV = (NH + 2 * NKV) * D, group = NH / NKV;
     const int64_t slot_stride = NKV * s->max_len * D;
-    const int mode = (int)s->mode;
+    const int mode = (int)s->mode, bf16 = (int)s->kv_bf16;
+    const int64_t esize = bf16 ? 2 : 4;
     if (D > 1024) return -1;
     float *h = malloc(sizeof(float) * T * H);
     float *wide = malloc(sizeof(float) * T * QKV);
@@ -676,8 +725,16 @@ static int attention_half(const Shape *s, int64_t T, const float *x, const float
         for (int64_t j = 0; j < NH + NKV; j++) rotary(q + j * D, c, sn, D);
         for (int64_t g = 0; g < NKV; g++) {
             int64_t at = slots[t] * slot_stride + (g * s->max_len + positions[t]) * D;
-            memcpy(k_cache + at, k + g * D, D * sizeof(float));
-            memcpy(v_cache + at, v + g * D, D * sizeof(float));
+            if (bf16) {
+                uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
+                for (int64_t d = 0; d < D; d++) {
+                    kd[d] = (uint16_t)bf16_bits(k[g * D + d]);
+                    vd[d] = (uint16_t)bf16_bits(v[g * D + d]);
+                }
+            } else {
+                memcpy((float *)k_cache + at, k + g * D, D * sizeof(float));
+                memcpy((float *)v_cache + at, v + g * D, D * sizeof(float));
+            }
         }
     }
     /* Attention, one work item per (run of rows of one request, KV head): the item's queries
@@ -693,7 +750,8 @@ static int attention_half(const Shape *s, int64_t T, const float *x, const float
         const int64_t t0 = run[item / NKV], t1 = run[item / NKV + 1], g = item % NKV;
         const int64_t Lmax = lens[t1 - 1];                /* lens rise within a run */
         const int64_t base = slots[t0] * slot_stride + g * s->max_len * D;
-        const float *kc = k_cache + base, *vc = v_cache + base;
+        const char *kc = (const char *)k_cache + base * esize;
+        const char *vc = (const char *)v_cache + base * esize;
         const int64_t nq = (t1 - t0) * group;           /* query r: head a = r % group of */
         float *p = malloc(sizeof(float) * nq * (Lmax + 1));   /* row t0 + r / group */
         if (!p) {
@@ -706,15 +764,15 @@ static int attention_half(const Shape *s, int64_t T, const float *x, const float
             for (int64_t t = t0; t < t1; t++) {
                 const int64_t L = lens[t], n = L - j0 < 16 ? L - j0 : 16;
                 for (int64_t a = 0; n > 0 && a < group; a++)
-                    scores(wide + t * QKV + (g * group + a) * D, kc + j0 * D, n, D, s->scale,
-                           p + ((t - t0) * group + a) * Lmax + j0);
+                    scores(wide + t * QKV + (g * group + a) * D, kc + j0 * D * esize, n, D,
+                           bf16, s->scale, p + ((t - t0) * group + a) * Lmax + j0);
             }
         for (int64_t r = 0; r < nq; r++) {
             const int64_t t = t0 + r / group;
             inv[r] = 1.f / softmax_weights(p + r * Lmax, lens[t],
                                            mask ? mask + t * mask_stride : NULL);
         }
-        weighted_sums(p, Lmax, nq, group, lens + t0, vc, D, inv,
+        weighted_sums(p, Lmax, nq, group, lens + t0, vc, D, bf16, inv,
                       attn + t0 * NH * D + g * group * D, NH * D);
         free(p);
     }
@@ -758,7 +816,7 @@ static int mlp_half(const Shape *s, int64_t T, const float *x, const void *const
  * added to x. Returns 0, or -1 when out of memory. */
 static int layer_impl(const Shape *s, int64_t T, float *x, const float *attn_in,
                       const int64_t *slots, const int64_t *positions, const void *const *w,
-                      float *k_cache, float *v_cache, const float *cos, const float *sin,
+                      void *k_cache, void *v_cache, const float *cos, const float *sin,
                       const uint8_t *mask, int64_t mask_stride, int nthreads) {
     if (attention_half(s, T, x, attn_in, slots, positions, w, k_cache, v_cache, cos, sin, mask,
                        mask_stride, x, 1, nthreads))
@@ -775,8 +833,8 @@ typedef struct {
     const int64_t *slots;
     const int64_t *positions;
     const void *const *w;
-    float *k_cache;
-    float *v_cache;
+    void *k_cache;
+    void *v_cache;
     const float *cos;
     const float *sin;
     const uint8_t *mask;
@@ -893,7 +951,7 @@ static int head_rows(const Shape *ls, int64_t m, const int64_t *tok, float *x,
                      const int64_t *slot, const int64_t *pos, const float *rot,
                      const float *embed, const float *e_norm, const float *h_norm,
                      const void *fc, int fc_mode, const float *fc_bias, const void *const *w,
-                     float *k_cache, float *v_cache, float *cat, int nthreads) {
+                     void *k_cache, void *v_cache, float *cat, int nthreads) {
     const int64_t H = ls->hidden;
     for (int64_t k = 0; k < m; k++) {
         float *e = cat + k * 2 * H, *h = e + H;
@@ -923,7 +981,7 @@ static int head_chain(const Shape *s, int64_t T, const int64_t *in_tok, float *i
                       const float *h_norm, const void *fc, int fc_mode, const float *fc_bias,
                       const float *final_norm, const void *lm_head, int lm_mode,
                       int64_t vocab, const int64_t *d2t, const float *cos_sin,
-                      const void *const *w, float *k_cache, float *v_cache, int64_t *tokens,
+                      const void *const *w, void *k_cache, void *v_cache, int64_t *tokens,
                       int nthreads) {
     const int64_t H = s->hidden, D = s->head_dim, R = T > B ? T : B;
     Shape ls = *s;
@@ -982,7 +1040,7 @@ typedef struct {
     const int64_t *d2t;
     const float *cos_sin;
     const void *const *w;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
     int64_t *tokens;
     int nthreads;
 } HeadChainArgs;
@@ -1015,7 +1073,7 @@ static int llama_chain_impl(const Shape *s, int64_t L, int64_t B, int64_t n, con
                           const float *embed, const float *final_norm, const void *lm_head,
                           int lm_mode, int64_t vocab, const float *cos_sin,
                           const void *const *const *w,
-                          float *const *k_cache, float *const *v_cache, int64_t *tokens,
+                          void *const *k_cache, void *const *v_cache, int64_t *tokens,
                           int nthreads) {
     const int64_t H = s[0].hidden, D = s[0].head_dim;
     Shape *ls = malloc(sizeof(Shape) * L);
@@ -1066,8 +1124,8 @@ typedef struct {
     int64_t vocab;
     const float *cos_sin;
     const void *const *const *w;
-    float *const *k_cache;
-    float *const *v_cache;
+    void *const *k_cache;
+    void *const *v_cache;
     int64_t *tokens;
     int nthreads;
 } LlamaChainArgs;
@@ -1095,8 +1153,8 @@ static int llama_forward_impl(const Shape *s, int64_t L, int64_t T, const int64_
                             const int64_t *slots, const int64_t *positions, const int64_t *rope,
                             const float *embed, const float *final_norm, float eps,
                             const float *cos_sin,
-                            const void *const *const *w, float *const *k_cache,
-                            float *const *v_cache, const uint8_t *mask, int64_t mask_stride,
+                            const void *const *const *w, void *const *k_cache,
+                            void *const *v_cache, const uint8_t *mask, int64_t mask_stride,
                             int64_t n_aux, const int64_t *aux_layers, float *aux, float *hidden,
                             int nthreads) {
     const int64_t H = s[0].hidden, D = s[0].head_dim;
@@ -1135,8 +1193,8 @@ typedef struct {
     float eps;
     const float *cos_sin;
     const void *const *const *w;
-    float *const *k_cache;
-    float *const *v_cache;
+    void *const *k_cache;
+    void *const *v_cache;
     const uint8_t *mask;
     int64_t mask_stride;
     int64_t n_aux;
