@@ -9,6 +9,10 @@ rank 0. With the CPU kernel, the steps and the layers' all-reduces go through me
 share (rank 0 makes it and hands it to the workers it spawns), not gloo's TCP round trips: on a
 busy 2-core machine those cost hundreds of microseconds each, two per layer.
 
+Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set: one process per rank, on one
+machine or several) no process is spawned: every rank runs the same script, rank 0 goes on as
+the engine's and the others serve it inside `LLM(...)`, over gloo, then end their process.
+
 A worker that dies is noticed at the next step (or inside a collective, which then fails): the
 engine raises and stops, and the server answers 503. Workers stop when the engine is closed,
 garbage-collected or its process exits (they are daemons), and on Ctrl-C with it.
@@ -75,6 +79,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun (or a launcher like it) started this process: RANK
+    and WORLD_SIZE are set, with MASTER_ADDR and MASTER_PORT."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
 def _store(a: WorkerArgs, rank: int) -> dist.TCPStore:
     timeout = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
     return dist.TCPStore(a.addr, a.port, a.size, rank == 0, timeout=timeout,
@@ -122,14 +134,19 @@ def _rank0_alive(parent: int) -> None:
 
 
 def _worker(a: WorkerArgs, rank: int) -> None:
-    """Rank `rank`'s loop: load and shard the target, then run the steps rank 0 sends (of the
-    target, or of a model it asked every rank to add: a sharded drafter)."""
+    """A spawned worker process: rank `rank` until rank 0 stops it (or is gone)."""
     torch.set_num_threads(a.threads)
     parent = os.getppid()
-    store = _store(a, rank)
+    _serve(a, rank, _store(a, rank), lambda: _rank0_alive(parent))
+
+
+def _serve(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[], None]
+           ) -> None:
+    """Rank `rank`'s loop: load and shard the target, then run the steps rank 0 sends (of the
+    target, or of a model it asked every rank to add: a sharded drafter)."""
     model = _load(a, a.model, a.max_len)
     store.set(f"loaded{rank}", "1")
-    link = _link(a, rank, store, lambda: _rank0_alive(parent))
+    link = _link(a, rank, store, check_peers)
     model = _shard(a, rank, link, model, a.quantization)
     models = {TARGET: (model, make_kv_cache(model, a.num_slots, a.max_len,
                                             kv_cache_dtype=a.kv_cache_dtype))}
@@ -193,32 +210,51 @@ def _check_alive(workers: list, doing: str) -> None:
 
 
 class TensorParallel:
-    """Rank 0's side: starts the workers, holds the group, sends each step."""
+    """Rank 0's side: starts the workers (or joins those a launcher started), holds the
+    group, sends each step."""
 
     def __init__(self, model: str, size: int, dtype: str, max_len: int, num_slots: int,
                  cpu_kernel: bool, quantization: str | None = None,
                  kv_cache_dtype: str = "auto") -> None:
+        """Starts ranks 1..size-1 as worker processes; or, in a process that torchrun started
+        (`torchrun_rank`), joins the ranks it started: rank 0 goes on as the engine's, every
+        other rank serves it here and then ends its process (SystemExit(0))."""
         if size < 2:
             raise ValueError("tensor parallelism needs tensor_parallel_size >= 2")
-        port = int(os.environ.get("MASTER_PORT") or _free_port())
-        # each rank its share of the cores (the engine's own threads included)
-        threads = max(1, torch.get_num_threads() // size)
-        # every rank is a process spawned here, so all share this machine's memory
+        launched = torchrun_rank()
+        if launched is not None and launched[1] != size:
+            raise ValueError(f"the launcher started {launched[1]} processes (WORLD_SIZE) but "
+                             f"tensor_parallel_size={size}; start one process per rank")
+        # one process per machine's share of the cores: spawned here, each rank gets its share
+        threads = (torch.get_num_threads() if launched else
+                   max(1, torch.get_num_threads() // size))
+        # spawned ranks share this machine's memory; launched ones may not
         shm = ((torch.zeros(shm_numel(size, SHM_CAP), dtype=torch.int64).share_memory_(),
                 torch.zeros(SharedMemoryChannel.HEADER + STEP_BYTES,
                             dtype=torch.uint8).share_memory_())
-               if cpu_kernel and load_library() is not None else None)
+               if not launched and cpu_kernel and load_library() is not None else None)
+        port = int(os.environ.get("MASTER_PORT") or _free_port())
         self.args = WorkerArgs(model, dtype, max_len, num_slots, cpu_kernel, quantization,
                                kv_cache_dtype, size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                                port, threads, shm)
-        self.store = _store(self.args, 0)              # the server: before any worker
-        ctx = mp.get_context("spawn")
-        self.workers = [ctx.Process(target=_worker, args=(self.args, rank), daemon=True,
-                                    name=f"specserve-tp-rank{rank}")
-                        for rank in range(1, size)]
-        for w in self.workers:
-            w.start()
+        self.workers: list = []
         self._links: list[_Link] = []                  # rank 0's link, once joined
+        if launched is not None:
+            # torchrun's store (its agent's, or rank 0's): the ranks meet there, under a prefix
+            store, rank, _ = next(dist.rendezvous(
+                "env://", timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S)))
+            self.store = dist.PrefixStore("specserve", store)
+            if rank:                    # a worker: serve rank 0's engine, then end the process
+                _serve(self.args, rank, self.store, lambda: None)
+                raise SystemExit(0)
+        else:
+            self.store = _store(self.args, 0)          # the server: before any worker
+            ctx = mp.get_context("spawn")
+            self.workers = [ctx.Process(target=_worker, args=(self.args, rank), daemon=True,
+                                        name=f"specserve-tp-rank{rank}")
+                            for rank in range(1, size)]
+            for w in self.workers:
+                w.start()
         self._stopper = weakref.finalize(self, _stop, self._links, self.workers)
 
     def load(self) -> torch.nn.Module:

@@ -178,6 +178,35 @@ def test_a_rank_that_never_posts_is_checked_for_not_waited_for_forever():
         channel.receive()
 
 
+def test_ranks_that_torchrun_starts_serve_rank_0s_engine(llama_dir, tmp_path):
+    """The same script on every rank, started by torchrun (as across machines): rank 0 runs
+    the engine, rank 1 serves it inside LLM(...) and ends its process when rank 0 closes."""
+    import socket
+    import subprocess
+    import sys
+    import textwrap
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        from specserve import LLM, SamplingParams, TokensPrompt
+        llm = LLM({str(llama_dir)!r}, device="cpu", tensor_parallel_size=2)
+        out = llm.generate([TokensPrompt(prompt_token_ids=[5, 6, 7])],
+                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        print("TOKENS", out[0].outputs[0].token_ids)
+        llm.engine.close()
+    """))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(port), str(script)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = LLM(str(llama_dir), device="cpu").generate(
+        [TokensPrompt(prompt_token_ids=[5, 6, 7])], _greedy(12), use_tqdm=False)
+    assert r.stdout.count("TOKENS") == 1             # rank 1 never returned from LLM(...)
+    assert f"TOKENS {ref[0].outputs[0].token_ids}" in r.stdout
+
+
 def test_the_seeds_eagle_example_runs_on_two_ranks():
     llm = LLM(model=str(ZOO / "code-target"), tensor_parallel_size=2, speculative_config={
         "model": str(ZOO / "code-target-eagle3"), "draft_tensor_parallel_size": 1,
