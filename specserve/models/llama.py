@@ -12,7 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.kernels.cpu import LlamaChain, LlamaForward, kernel_step
+from specserve.kernels.cpu import (
+    LlamaChain,
+    LlamaForward,
+    SharedMemoryAllReduce,
+    kernel_step,
+)
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -156,10 +161,13 @@ class LlamaForCausalLM(nn.Module):
         """The whole cached step in compiled code, for use_decode_linears to set as
         `cpu_forward` once every layer has its CpuLayer; None where one lacks it."""
         layers = [layer.cpu_layer for layer in self.layers]
-        if None in layers or self.norm.lib is None or self.tp_size > 1:   # all-reduces: per layer
+        reduce = self.layers[0].all_reduce
+        if (None in layers or self.norm.lib is None
+                # a shard sums in the call only through shared memory; gloo's: layer by layer
+                or (reduce is not None and not isinstance(reduce, SharedMemoryAllReduce))):
             return None
         return LlamaForward(layers, self.embed_tokens.weight, self.norm.weight, self.norm.eps,
-                            self.rotary.cos_sin)
+                            self.rotary.cos_sin, reduce)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata | None = None,

@@ -196,6 +196,31 @@ def test_a_layers_two_halves_summed_outside_equal_the_whole_layer(hf_model):
     assert all(torch.equal(x, y) for x, y in zip(*outs))
 
 
+def test_a_shards_one_call_forward_sums_its_halves_as_the_layer_path_does(hf_model):
+    """LlamaForward with a shared-memory all-reduce (here over one rank: the sums are the
+    parts) runs each layer's halves and sums them inside the call: the same hidden states and
+    KV bit for bit as the layer-by-layer halves, and as the whole layers."""
+    from specserve.kernels.cpu import SharedMemoryAllReduce, shm_numel
+    _, path, _ = hf_model
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (11, 7)]
+    outs, calls = [], []
+    for mode in ("one call", "layer by layer", "whole layers"):
+        model, cache = _stepper(path)
+        shm = torch.zeros(shm_numel(1, 4096), dtype=torch.int64).share_memory_()
+        reduce = SharedMemoryAllReduce(load_library(), shm, 0, 1, 4096, lambda: None)
+        for layer in model.layers:
+            layer.all_reduce = None if mode == "whole layers" else reduce
+        model.cpu_forward = model.kernel_forward() if mode == "one call" else None
+        res = [_step(model, cache, prompts, [0, 0], [0, 1]),
+               _step(model, cache, [[5, 6], [8]], [11, 7], [0, 1])]
+        outs.append(res + [k[:2, :, :13].clone() for k, _ in cache.layers])
+        calls.append(reduce._args.seq)
+    assert calls == [4 * len(model.layers)] * 2 + [0]          # two halves per layer per step
+    assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
+    assert all(torch.equal(x, y) for x, y in zip(outs[0], outs[2]))
+
+
 def test_eagle3_features_and_hidden_match_the_pytorch_path(llama_dir):
     ids = torch.randint(0, 96, (16,), generator=torch.Generator().manual_seed(2)).tolist()
     outs = []

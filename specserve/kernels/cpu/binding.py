@@ -66,7 +66,7 @@ _LlamaForwardArgs = _args("LlamaForwardArgs", [
     ("positions", _P), ("rope", _P), ("embed", _P), ("final_norm", _P), ("eps", _F),
     ("cos_sin", _P), ("w", _P), ("k_cache", _P), ("v_cache", _P), ("mask", _P),
     ("mask_stride", _I64), ("n_aux", _I64), ("aux_layers", _P), ("aux", _P), ("hidden", _P),
-    ("nthreads", _C)])
+    ("ar", _P), ("reduce_timeout_s", ctypes.c_double), ("nthreads", _C)])
 
 
 class _HeadChainArgs(ctypes.Structure):
@@ -494,8 +494,15 @@ class LlamaForward:
     bundled target, in a throwaway A/B). The values are those of the layer-by-layer path
     through this kernel. Built by `use_decode_linears`."""
 
+    # the longest wait in one step for the other tensor-parallel ranks: a layer's half of a
+    # long prompt chunk on a slow machine, not a dead rank (which is then looked for)
+    REDUCE_TIMEOUT_S = 120.0
+
     def __init__(self, layers: list[CpuLayer], embed: torch.Tensor, final_norm: torch.Tensor,
-                 eps: float, cos_sin: torch.Tensor) -> None:
+                 eps: float, cos_sin: torch.Tensor,
+                 reduce: SharedMemoryAllReduce | None = None) -> None:
+        """With `reduce` (a tensor-parallel shard), each layer's attention and MLP halves are
+        summed over the ranks inside the call, through its shared memory."""
         tensors = (embed, final_norm, cos_sin)
         if not all(t.is_contiguous() and t.dtype == torch.float32 for t in tensors):
             raise ValueError("LlamaForward: embedding, norm and rotary table must be "
@@ -507,6 +514,10 @@ class LlamaForward:
         # the tensors' addresses: a head that shares the embedding may move its storage
         self._args = _LlamaForwardArgs(s=ctypes.cast(a.shapes, ctypes.POINTER(_Shape)),
                                        L=a.num_layers, eps=eps, w=ctypes.cast(a.weights, _P))
+        self.reduce = reduce            # its struct's call numbers go on from either path
+        if reduce is not None:
+            self._args.ar = ctypes.addressof(reduce._args)
+            self._args.reduce_timeout_s = self.REDUCE_TIMEOUT_S
         self._aux_ids: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _use(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -546,7 +557,12 @@ class LlamaForward:
         args.n_aux, args.aux_layers = len(aux_layers), aux_ids.data_ptr()
         args.aux = None if aux is None else aux.data_ptr()
         args.hidden, args.nthreads = hidden.data_ptr(), torch.get_num_threads()
-        _check_rc(self.lib.specserve_llama_forward(ctypes.byref(args)), "LlamaForward")
+        rc = self.lib.specserve_llama_forward(ctypes.byref(args))
+        if rc == -3:
+            self.reduce.check_peers()
+            raise RuntimeError(f"LlamaForward: a tensor-parallel rank did not come to an "
+                               f"all-reduce within {self.REDUCE_TIMEOUT_S:.0f} s")
+        _check_rc(rc, "LlamaForward")
         return (hidden, aux) if aux_layers else hidden
 
 

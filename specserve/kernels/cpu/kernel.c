@@ -1141,82 +1141,6 @@ int specserve_llama_chain(const LlamaChainArgs *a) {
                             a->w, a->k_cache, a->v_cache, a->tokens, a->nthreads);
 }
 
-/* A Llama-family model's cached step of T rows in one call (a decode, verify, tree or prompt
- * step of the target, instead of a dozen PyTorch operators and a C call per layer): x =
- * embed[ids]; each of the L layers (shapes s, weights w, caches k_cache/v_cache) runs over x as
- * in specserve_layer, row t at KV position positions[t] of slot slots[t] (under `mask` for
- * tree steps) rotated by row rope[t] of cos_sin [positions, 2, head_dim]; the input of layer
- * aux_layers[a] goes to columns a * H.. of aux [T, n_aux * H]; hidden [T, H] = final_norm(x)
- * (epsilon eps).
- * Each value is the one the layer-by-layer path computes. Returns 0, or -1 when out of memory. */
-static int llama_forward_impl(const Shape *s, int64_t L, int64_t T, const int64_t *ids,
-                            const int64_t *slots, const int64_t *positions, const int64_t *rope,
-                            const float *embed, const float *final_norm, float eps,
-                            const float *cos_sin,
-                            const void *const *const *w, void *const *k_cache,
-                            void *const *v_cache, const uint8_t *mask, int64_t mask_stride,
-                            int64_t n_aux, const int64_t *aux_layers, float *aux, float *hidden,
-                            int nthreads) {
-    const int64_t H = s[0].hidden, D = s[0].head_dim;
-    float *x = malloc(sizeof(float) * T * H), *rot = malloc(sizeof(float) * T * 2 * D);
-    int rc = x && rot ? 0 : -1;
-    for (int64_t t = 0; rc == 0 && t < T; t++) {
-        memcpy(x + t * H, embed + ids[t] * H, H * sizeof(float));
-        memcpy(rot + t * 2 * D, cos_sin + rope[t] * 2 * D, 2 * D * sizeof(float));
-    }
-    for (int64_t l = 0; rc == 0 && l < L; l++) {
-        for (int64_t a = 0; a < n_aux; a++)
-            if (aux_layers[a] == l)
-                for (int64_t t = 0; t < T; t++)
-                    memcpy(aux + (t * n_aux + a) * H, x + t * H, H * sizeof(float));
-        Shape ls = s[l];
-        ls.rot_stride = 2 * D;
-        rc = layer_impl(&ls, T, x, NULL, slots, positions, w[l], k_cache[l], v_cache[l],
-                             rot, rot + D, mask, mask_stride, nthreads);
-    }
-    if (rc == 0) rms_norm(x, final_norm, eps, T, H, H, H, hidden);
-    free(x); free(rot);
-    return rc;
-}
-
-/* specserve_llama_forward's arguments by name (binding.py mirrors them). */
-typedef struct {
-    const Shape *s;
-    int64_t L;
-    int64_t T;
-    const int64_t *ids;
-    const int64_t *slots;
-    const int64_t *positions;
-    const int64_t *rope;
-    const float *embed;
-    const float *final_norm;
-    float eps;
-    const float *cos_sin;
-    const void *const *const *w;
-    void *const *k_cache;
-    void *const *v_cache;
-    const uint8_t *mask;
-    int64_t mask_stride;
-    int64_t n_aux;
-    const int64_t *aux_layers;
-    float *aux;
-    float *hidden;
-    int nthreads;
-} LlamaForwardArgs;
-
-size_t specserve_llama_forward_args_size(void) { return sizeof(LlamaForwardArgs); }
-
-int specserve_llama_forward(const LlamaForwardArgs *a) {
-    for (int64_t t = 0; t < a->T; t++)
-        if (a->positions[t] < 0 || a->positions[t] >= a->s[0].max_len) return -2;
-    for (int64_t i = 0; i < a->n_aux; i++)
-        if (a->aux_layers[i] < 0 || a->aux_layers[i] >= a->L) return -2;
-    return llama_forward_impl(a->s, a->L, a->T, a->ids, a->slots, a->positions, a->rope, a->embed,
-                              a->final_norm, a->eps, a->cos_sin, a->w, a->k_cache, a->v_cache,
-                              a->mask, a->mask_stride, a->n_aux, a->aux_layers, a->aux, a->hidden,
-                              a->nthreads);
-}
-
 /* The all-reduce (sum) of tensor-parallel ranks on one machine, through memory they share:
  * gloo's TCP collectives cost hundreds of microseconds on a busy 2-core machine, two per layer.
  * shm: counters [size, 8] int64 (rank r's calls so far at counters[8 r], a cache line each),
@@ -1270,6 +1194,127 @@ int specserve_all_reduce(const AllReduceArgs *a) {
         a->x[i] = sum;
     }
     return 0;
+}
+
+/* x [n] summed over the ranks (specserve_all_reduce) in parts of at most a->cap, each a new
+ * call number; waits for the other ranks at most timeout_s in all. Returns 0, or -3 when a rank
+ * did not come in time (the caller finds out why). */
+static int all_reduce_parts(AllReduceArgs *a, float *x, int64_t n, double timeout_s) {
+    const double deadline = seconds() + timeout_s;
+    for (int64_t start = 0; start < n; start += a->cap) {
+        a->x = x + start;
+        a->n = n - start < a->cap ? n - start : a->cap;
+        a->seq++;
+        a->posted = 0;
+        int rc;
+        while ((rc = specserve_all_reduce(a)) == 1) {
+            a->posted = 1;
+            if (seconds() > deadline) return -3;
+        }
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* One decoder layer of a tensor-parallel shard on x [T, hidden], in place: each half's partial
+ * sum (part [T, hidden]) is summed over the ranks before it joins the stream, as CpuLayer does
+ * with its reduce. */
+static int sharded_layer(const Shape *s, int64_t T, float *x, const int64_t *slots,
+                         const int64_t *positions, const void *const *w, void *k_cache,
+                         void *v_cache, const float *cos, const float *sin, const uint8_t *mask,
+                         int64_t mask_stride, AllReduceArgs *ar, double timeout_s, float *part,
+                         int nthreads) {
+    const int64_t n = T * s->hidden;
+    int rc = attention_half(s, T, x, NULL, slots, positions, w, k_cache, v_cache, cos, sin, mask,
+                            mask_stride, part, 0, nthreads);
+    if (!rc) rc = all_reduce_parts(ar, part, n, timeout_s);
+    for (int64_t i = 0; !rc && i < n; i++) x[i] += part[i];
+    if (!rc) rc = mlp_half(s, T, x, w, part, 0, nthreads);
+    if (!rc) rc = all_reduce_parts(ar, part, n, timeout_s);
+    for (int64_t i = 0; !rc && i < n; i++) x[i] += part[i];
+    return rc;
+}
+
+/* A Llama-family model's cached step of T rows in one call (a decode, verify, tree or prompt
+ * step of the target, instead of a dozen PyTorch operators and a C call per layer): x =
+ * embed[ids]; each of the L layers (shapes s, weights w, caches k_cache/v_cache) runs over x as
+ * in specserve_layer, row t at KV position positions[t] of slot slots[t] (under `mask` for
+ * tree steps) rotated by row rope[t] of cos_sin [positions, 2, head_dim]; the input of layer
+ * aux_layers[a] goes to columns a * H.. of aux [T, n_aux * H]; hidden [T, H] = final_norm(x)
+ * (epsilon eps). With `ar` (a tensor-parallel shard), each layer's halves are summed over the
+ * ranks as they end (sharded_layer).
+ * Each value is the one the layer-by-layer path computes. Returns 0, or -1 when out of memory. */
+static int llama_forward_impl(const Shape *s, int64_t L, int64_t T, const int64_t *ids,
+                            const int64_t *slots, const int64_t *positions, const int64_t *rope,
+                            const float *embed, const float *final_norm, float eps,
+                            const float *cos_sin,
+                            const void *const *const *w, void *const *k_cache,
+                            void *const *v_cache, const uint8_t *mask, int64_t mask_stride,
+                            int64_t n_aux, const int64_t *aux_layers, float *aux, float *hidden,
+                            AllReduceArgs *ar, double reduce_timeout_s, int nthreads) {
+    const int64_t H = s[0].hidden, D = s[0].head_dim;
+    float *x = malloc(sizeof(float) * T * H), *rot = malloc(sizeof(float) * T * 2 * D);
+    float *part = ar ? malloc(sizeof(float) * T * H) : NULL;
+    int rc = x && rot && (part || !ar) ? 0 : -1;
+    for (int64_t t = 0; rc == 0 && t < T; t++) {
+        memcpy(x + t * H, embed + ids[t] * H, H * sizeof(float));
+        memcpy(rot + t * 2 * D, cos_sin + rope[t] * 2 * D, 2 * D * sizeof(float));
+    }
+    for (int64_t l = 0; rc == 0 && l < L; l++) {
+        for (int64_t a = 0; a < n_aux; a++)
+            if (aux_layers[a] == l)
+                for (int64_t t = 0; t < T; t++)
+                    memcpy(aux + (t * n_aux + a) * H, x + t * H, H * sizeof(float));
+        Shape ls = s[l];
+        ls.rot_stride = 2 * D;
+        rc = ar ? sharded_layer(&ls, T, x, slots, positions, w[l], k_cache[l], v_cache[l], rot,
+                                rot + D, mask, mask_stride, ar, reduce_timeout_s, part, nthreads)
+                : layer_impl(&ls, T, x, NULL, slots, positions, w[l], k_cache[l], v_cache[l],
+                             rot, rot + D, mask, mask_stride, nthreads);
+    }
+    if (rc == 0) rms_norm(x, final_norm, eps, T, H, H, H, hidden);
+    free(x); free(rot); free(part);
+    return rc;
+}
+
+/* specserve_llama_forward's arguments by name (binding.py mirrors them). */
+typedef struct {
+    const Shape *s;
+    int64_t L;
+    int64_t T;
+    const int64_t *ids;
+    const int64_t *slots;
+    const int64_t *positions;
+    const int64_t *rope;
+    const float *embed;
+    const float *final_norm;
+    float eps;
+    const float *cos_sin;
+    const void *const *const *w;
+    void *const *k_cache;
+    void *const *v_cache;
+    const uint8_t *mask;
+    int64_t mask_stride;
+    int64_t n_aux;
+    const int64_t *aux_layers;
+    float *aux;
+    float *hidden;
+    AllReduceArgs *ar;          /* a tensor-parallel shard's all-reduce; NULL: a whole model */
+    double reduce_timeout_s;    /* the longest wait for the other ranks in one step */
+    int nthreads;
+} LlamaForwardArgs;
+
+size_t specserve_llama_forward_args_size(void) { return sizeof(LlamaForwardArgs); }
+
+int specserve_llama_forward(const LlamaForwardArgs *a) {
+    for (int64_t t = 0; t < a->T; t++)
+        if (a->positions[t] < 0 || a->positions[t] >= a->s[0].max_len) return -2;
+    for (int64_t i = 0; i < a->n_aux; i++)
+        if (a->aux_layers[i] < 0 || a->aux_layers[i] >= a->L) return -2;
+    return llama_forward_impl(a->s, a->L, a->T, a->ids, a->slots, a->positions, a->rope, a->embed,
+                              a->final_norm, a->eps, a->cos_sin, a->w, a->k_cache, a->v_cache,
+                              a->mask, a->mask_stride, a->n_aux, a->aux_layers, a->aux, a->hidden,
+                              a->ar, a->reduce_timeout_s, a->nthreads);
 }
 
 /* Rank 0's step messages to the tensor-parallel workers of its machine, through the same kind
