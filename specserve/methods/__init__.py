@@ -12,8 +12,19 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.methods import (custom_class, dflash, draft_model, eagle, eagle3,
-                               extract_hidden_states, medusa, mlp_speculator, mtp, ngram, suffix)
+from specserve.methods import (
+    custom_class,
+    dflash,
+    draft_model,
+    eagle,
+    eagle3,
+    extract_hidden_states,
+    medusa,
+    mlp_speculator,
+    mtp,
+    ngram,
+    suffix,
+)
 from specserve.methods.base import (
     DraftContext,
     MethodSpec,

@@ -12,12 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.kernels.cpu import (
-    LlamaChain,
-    LlamaForward,
-    SharedMemoryAllReduce,
-    kernel_step,
-)
+from specserve.kernels.cpu import LlamaChain, LlamaForward, SharedMemoryAllReduce, kernel_step
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
