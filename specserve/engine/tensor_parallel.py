@@ -102,17 +102,19 @@ class _Link:
     channel: SharedMemoryChannel | None
 
 
-def _link(a: WorkerArgs, rank: int, store: dist.TCPStore,
-          check_peers: Callable[[], None]) -> _Link:
+def _link(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[], None],
+          peers: tuple[int, ...] = (), parent: int = 0) -> _Link:
     """Join the gloo group (an object of its own: no process-global default group).
-    `check_peers` raises when a rank that shared memory waits for is gone."""
+    `check_peers` raises when a rank that shared memory waits for is gone; the C side looks for
+    the exit of `peers` (rank 0's workers) or of `parent` (a worker's rank 0) itself."""
     group = dist.ProcessGroupGloo(store, rank, a.size,
                                   datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
     if a.shm is None:
         return _Link(group, gloo_all_reduce(group), None)
     lib = load_library()
-    return _Link(group, SharedMemoryAllReduce(lib, a.shm[0], rank, a.size, SHM_CAP, check_peers),
-                 SharedMemoryChannel(lib, a.shm[1], check_peers))
+    reduce = SharedMemoryAllReduce(lib, a.shm[0], rank, a.size, SHM_CAP, check_peers,
+                                   peers=peers, parent=parent)
+    return _Link(group, reduce, SharedMemoryChannel(lib, a.shm[1], check_peers))
 
 
 def _load(a: WorkerArgs, path: str, max_len: int) -> torch.nn.Module:
@@ -137,16 +139,16 @@ def _worker(a: WorkerArgs, rank: int) -> None:
     """A spawned worker process: rank `rank` until rank 0 stops it (or is gone)."""
     torch.set_num_threads(a.threads)
     parent = os.getppid()
-    _serve(a, rank, _store(a, rank), lambda: _rank0_alive(parent))
+    _serve(a, rank, _store(a, rank), lambda: _rank0_alive(parent), parent)
 
 
-def _serve(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[], None]
-           ) -> None:
+def _serve(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[], None],
+           parent: int = 0) -> None:
     """Rank `rank`'s loop: load and shard the target, then run the steps rank 0 sends (of the
     target, or of a model it asked every rank to add: a sharded drafter)."""
     model = _load(a, a.model, a.max_len)
     store.set(f"loaded{rank}", "1")
-    link = _link(a, rank, store, check_peers)
+    link = _link(a, rank, store, check_peers, parent=parent)
     model = _shard(a, rank, link, model, a.quantization)
     models = {TARGET: (model, make_kv_cache(model, a.num_slots, a.max_len,
                                             kv_cache_dtype=a.kv_cache_dtype))}
@@ -265,7 +267,8 @@ class TensorParallel:
         # not a method: the link outlives this object (the finalizer that stops the workers
         # holds it) and must not keep it alive
         link = _link(self.args, 0, self.store,
-                     functools.partial(_check_alive, self.workers, "a step"))
+                     functools.partial(_check_alive, self.workers, "a step"),
+                     peers=tuple(w.pid for w in self.workers))
         self._links.append(link)
         model = _shard(self.args, 0, link, model, self.args.quantization)
         self._collective(lambda: link.group.allreduce([torch.zeros(1)]), "loading the model")

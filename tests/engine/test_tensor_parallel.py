@@ -14,6 +14,7 @@ import torch
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.engine.tensor_parallel import ShardedModel
 from specserve.kernels.cpu import (
+    LlamaForward,
     SharedMemoryAllReduce,
     SharedMemoryChannel,
     load_library,
@@ -248,6 +249,26 @@ def test_a_worker_that_dies_stops_the_engine_with_a_message(llama_dir):
     llm.engine.tp.workers[0].join()
     with pytest.raises(RuntimeError, match="tensor-parallel worker specserve-tp-rank1 died"):
         llm.generate(TokensPrompt(prompt_token_ids=[1, 2, 3]), _greedy(4), use_tqdm=False)
+    llm.engine.close()
+
+
+def test_a_worker_that_dies_mid_step_is_noticed_inside_the_step(llama_dir):
+    """Rank 0 waiting inside its one-call step for a worker's partial sums finds the worker
+    gone (the C side looks) instead of waiting out the bound it gives a slow rank."""
+    import time
+    from specserve.engine.tensor_parallel import WorkerDied
+    from specserve.models.metadata import build_metadata
+    if load_library() is None:
+        pytest.skip("no C compiler: the CPU kernel cannot be built here")
+    llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=TP)
+    llm.engine.tp.workers[0].kill()
+    llm.engine.tp.workers[0].join()
+    md, positions = build_metadata([0], [3], [0], torch.device("cpu"))
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match="specserve-tp-rank1 died during a step"):
+        with torch.inference_mode():
+            llm.engine.model(torch.tensor([1, 2, 3]), positions, md, llm.engine.cache.layers)
+    assert time.monotonic() - start < LlamaForward.REDUCE_TIMEOUT_S / 4
     llm.engine.close()
 
 

@@ -249,7 +249,8 @@ def rms_norm_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     return y
 _AllReduceArgs = _args("AllReduceArgs", [
     ("x", _P), ("n", _I64), ("shm", _P), ("cap", _I64), ("rank", _I64), ("size", _I64),
-    ("seq", _I64), ("posted", _I64), ("timeout_s", ctypes.c_double)])
+    ("seq", _I64), ("posted", _I64), ("timeout_s", ctypes.c_double), ("peers", _P),
+    ("npeers", _I64), ("parent", _I64)])
 _ChannelArgs = _args("ChannelArgs", [
     ("shm", _P), ("seen", ctypes.c_uint32), ("timeout_s", ctypes.c_double)])
 
@@ -571,16 +572,21 @@ class SharedMemoryAllReduce:
     tensor in memory all ranks share, of `shm_numel(size, cap)` int64, zeros at first; see
     specserve_all_reduce). Each rank's caller must call it in the same order with tensors of
     the same size. While it waits for another rank, `check_peers()` runs every `poll_s`: it
-    raises when a rank is gone (a dead peer would otherwise be waited for forever)."""
+    raises when a rank is gone (a dead peer would otherwise be waited for forever). Inside
+    one C call (LlamaForward) the C side looks for the same itself: the exit of a process in
+    `peers` (rank 0's workers) or of `parent` (a worker's rank 0)."""
 
     def __init__(self, lib: ctypes.CDLL, shm: torch.Tensor, rank: int, size: int, cap: int,
-                 check_peers: Callable[[], None], poll_s: float = 0.1) -> None:
+                 check_peers: Callable[[], None], poll_s: float = 0.1,
+                 peers: tuple[int, ...] = (), parent: int = 0) -> None:
         if not shm.is_shared() or shm.numel() < shm_numel(size, cap):
             raise ValueError("SharedMemoryAllReduce: shm must be a shared tensor of "
                              f"{shm_numel(size, cap)} int64")
         self.lib, self._shm, self.cap, self.check_peers = lib, shm, cap, check_peers
+        self._peers = (ctypes.c_int32 * max(1, len(peers)))(*peers)
         self._args = _AllReduceArgs(shm=shm.data_ptr(), cap=cap, rank=rank, size=size,
-                                    timeout_s=poll_s)
+                                    timeout_s=poll_s, peers=ctypes.cast(self._peers, _P),
+                                    npeers=len(peers), parent=parent)
 
     def __call__(self, x: torch.Tensor) -> None:
         if x.dtype != torch.float32 or not x.is_contiguous():

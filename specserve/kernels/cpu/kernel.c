@@ -9,6 +9,7 @@
  *
  * Built by binding.py with: cc -O3 -march=native -fopenmp -shared -fPIC.
  */
+#include <errno.h>
 #include <math.h>
 #include <sched.h>
 #include <stdint.h>
@@ -18,6 +19,7 @@
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #endif
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -322,8 +324,6 @@ static inline void put_rows(const float *buf, int64_t n, int64_t m, const float 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && VL == 16 \
     && defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #define HAVE_AMX 1
 /* AMX (Sapphire Rapids and later): one tile instruction multiplies up to 16 rows by a 16-pair
  * slice of 16 columns (8192 products), where AVX-512 takes 16 rows x 16 columns one FMA of
@@ -1156,6 +1156,9 @@ typedef struct {
     int64_t seq;            /* this call's number, from 1 */
     int64_t posted;         /* 1: x was posted by an earlier try that timed out */
     double timeout_s;       /* wait at most this long, then return 1 (the caller retries) */
+    const int32_t *peers;   /* child processes whose exit ends a wait (rank 0's workers) */
+    int64_t npeers;
+    int64_t parent;         /* a worker's rank 0: its exit ends a wait too (0: none) */
 } AllReduceArgs;
 
 size_t specserve_all_reduce_args_size(void) { return sizeof(AllReduceArgs); }
@@ -1196,9 +1199,25 @@ int specserve_all_reduce(const AllReduceArgs *a) {
     return 0;
 }
 
+/* Whether a rank this one waits for is gone: a child in a->peers that exited (looked at, not
+ * reaped: its owner reaps it) or was reaped already, or a->parent no longer this process's
+ * parent. */
+static int peer_gone(const AllReduceArgs *a) {
+#if defined(__linux__)
+    if (a->parent && getppid() != (pid_t)a->parent) return 1;
+    for (int64_t i = 0; i < a->npeers; i++) {
+        siginfo_t info;
+        info.si_pid = 0;
+        const int rc = waitid(P_PID, (id_t)a->peers[i], &info, WEXITED | WNOHANG | WNOWAIT);
+        if ((rc == 0 && info.si_pid) || (rc == -1 && errno == ECHILD)) return 1;
+    }
+#endif
+    return 0;
+}
+
 /* x [n] summed over the ranks (specserve_all_reduce) in parts of at most a->cap, each a new
  * call number; waits for the other ranks at most timeout_s in all. Returns 0, or -3 when a rank
- * did not come in time (the caller finds out why). */
+ * is gone or did not come in time (the caller finds out which). */
 static int all_reduce_parts(AllReduceArgs *a, float *x, int64_t n, double timeout_s) {
     const double deadline = seconds() + timeout_s;
     for (int64_t start = 0; start < n; start += a->cap) {
@@ -1209,7 +1228,7 @@ static int all_reduce_parts(AllReduceArgs *a, float *x, int64_t n, double timeou
         int rc;
         while ((rc = specserve_all_reduce(a)) == 1) {
             a->posted = 1;
-            if (seconds() > deadline) return -3;
+            if (peer_gone(a) || seconds() > deadline) return -3;
         }
         if (rc) return rc;
     }
