@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import time
 
 import openai
 import pytest
 import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
-from specserve.engine.tensor_parallel import ShardedModel
+from specserve.engine.tensor_parallel import ShardedModel, WorkerDied
 from specserve.kernels.cpu import (
     LlamaForward,
     SharedMemoryAllReduce,
@@ -21,6 +22,7 @@ from specserve.kernels.cpu import (
     max_rows,
     shm_numel,
 )
+from specserve.models.metadata import build_metadata
 from tests.test_spec_decode import _greedy, repetitive_prompts
 from tests.train.conftest import REPO
 
@@ -255,9 +257,6 @@ def test_a_worker_that_dies_stops_the_engine_with_a_message(llama_dir):
 def test_a_worker_that_dies_mid_step_is_noticed_inside_the_step(llama_dir):
     """Rank 0 waiting inside its one-call step for a worker's partial sums finds the worker
     gone (the C side looks) instead of waiting out the bound it gives a slow rank."""
-    import time
-    from specserve.engine.tensor_parallel import WorkerDied
-    from specserve.models.metadata import build_metadata
     if load_library() is None:
         pytest.skip("no C compiler: the CPU kernel cannot be built here")
     llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=TP)
