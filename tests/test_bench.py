@@ -229,19 +229,20 @@ def test_a_run_writes_its_json_table_and_plot_to_runs_and_publishes_on_request(t
     assert "| fast | 2.00x | 2.00x | 2.00x / 2.00x | 2.00x | 2.00x |" in table
 
 
-def test_gpu_and_random_target_runs_publish_beside_the_cpu_run(tmp_path, monkeypatch):
+def test_gpu_and_built_target_runs_publish_beside_the_cpu_run(tmp_path, monkeypatch):
     from specserve.bench import report
     monkeypatch.setattr(report, "LATEST", tmp_path / "latest")
     monkeypatch.setattr(report, "HISTORY", tmp_path / "HISTORY.md")
     data = _latency_run()
     for device, target in (("cpu", "T"), ("cuda:0", "T"), ("cpu", "random:llama-3.2-1b"),
-                           ("cpu", "random:hidden=64,layers=2,inter=128,heads=4,kv=2")):
+                           ("cpu", "random:hidden=64,layers=2,inter=128,heads=4,kv=2"),
+                           ("cpu", "padded:models/code-target,inter=32768")):
         data["settings"] |= {"device": device, "target": target}
         report.publish_run(data)
     assert sorted(p.stem for p in (tmp_path / "latest").glob("*.json")) == [
         "latency", "latency-cuda", "latency-hidden-64-layers-2-inter-128-heads-4-kv-2",
-        "latency-llama-3-2-1b"]
-    assert len((tmp_path / "HISTORY.md").read_text().splitlines()) == 4
+        "latency-llama-3-2-1b", "latency-padded-code-target-inter-32768"]
+    assert len((tmp_path / "HISTORY.md").read_text().splitlines()) == 5
 
 
 def test_specserve_runner_times_each_request_after_its_first_token(llama_dir):

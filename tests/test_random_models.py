@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specserve import LLM, SamplingParams
+from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.bench import random_models
 from tests.conftest import DEVICE
 from tests.train.conftest import REPO
@@ -54,3 +54,40 @@ def test_random_heads_are_built_beside_a_random_target_and_draft(tmp_path):
         llm.generate("def f(x):", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                      use_tqdm=False)
         assert llm.get_stats()["mean_acceptance_length"] == pytest.approx(5.0, abs=0.5)
+
+
+def test_a_padded_model_reads_more_bytes_and_keeps_its_function_and_heads(tmp_path):
+    """`padded:DIR,inter=N`: wider MLPs whose extra columns add nothing, so greedy output is
+    DIR's token for token, and DIR's heads are linked beside it and draft as they do for DIR
+    (the same acceptance); MTP, which lives in the target's checkpoint, is not linked."""
+    from tests.conftest import make_hf_model
+    from tests.methods.test_heads import eagle3_ckpt
+    src = tmp_path / "m"
+    make_hf_model("llama", src)
+    eagle3_ckpt(tmp_path / "m-eagle3")
+    (tmp_path / "m-mtp").mkdir()
+    (tmp_path / "m-mtp" / "config.json").write_text("{}")
+    spec = f"padded:{src},inter=512"
+    path = random_models.padded(spec, root=tmp_path / "out")
+    assert random_models.padded(spec, root=tmp_path / "out") == path          # cached
+    assert json.loads((tmp_path / "out" / "m-inter512" / "config.json").read_text())[
+        "intermediate_size"] == 512
+    assert (tmp_path / "out" / "m-inter512-eagle3").resolve() == tmp_path / "m-eagle3"
+    assert not (tmp_path / "out" / "m-inter512-mtp").exists()
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs, accepted = [], []
+    for target in (str(src), path):
+        llm = LLM(target, device=DEVICE, speculative_config={
+            "model": f"{target}-eagle3", "num_speculative_tokens": 3})
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in ([5, 6, 7, 8], [9, 3])]
+        outs.append([o.outputs[0].token_ids
+                     for o in llm.generate(prompts, greedy, use_tqdm=False)])
+        accepted.append(llm.get_stats()["spec_decode_num_accepted_tokens"])
+    assert outs[0] == outs[1] and accepted[0] == accepted[1]
+    # DIR itself drafting for the padded model: every draft is its next token
+    llm = LLM(path, device=DEVICE, speculative_config={"model": str(src),
+                                                       "num_speculative_tokens": 3})
+    llm.generate(prompts, greedy, use_tqdm=False)
+    assert llm.get_stats()["acceptance_rate"] == 1.0
+    with pytest.raises(SystemExit, match="must exceed"):
+        random_models.padded(f"padded:{src},inter=64", root=tmp_path / "out")

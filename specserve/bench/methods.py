@@ -36,7 +36,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D] (built once "
                         "under runs/random/ with the bundled tokenizer; pair it with "
                         "--spec-extra '{\"rejection_sample_method\": \"synthetic\", "
-                        "\"synthetic_acceptance_rate\": 0.8}')")
+                        "\"synthetic_acceptance_rate\": 0.8}'), or padded:DIR,inter=N: DIR's "
+                        "model with MLPs widened by columns that add nothing (the same output, "
+                        "a real model's bytes per step; DIR's heads draft for it as for DIR)")
     p.add_argument("--draft", default="models/code-draft", help="as --target")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--methods", default="available",

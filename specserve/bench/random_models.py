@@ -7,6 +7,11 @@ runs/random/ with the bundled tokenizer's vocabulary, in the Llama format the en
 with random heads of the methods in RANDOM_HEADS and a PARD version beside it (where the
 benchmarks look for them); its text is noise, so benchmarks pair it with
 `rejection_sample_method: synthetic`.
+
+`--target padded:models/code-target,inter=N` keeps a trained model's function and gives it a
+real model's weight bytes per step: its MLPs widened to N columns that add nothing (random
+gate and up rows, zero down columns: each step reads them, and every sum is the original's),
+so the zoo's drafts and heads, linked beside it, draft for it with their real acceptance.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from specserve import methods
 from specserve.data.zoo import head_dir
@@ -26,6 +31,7 @@ from specserve.models.llama import LlamaArgs
 from specserve.models.loader import load_model
 
 PREFIX = "random:"
+PADDED = "padded:"
 # the public models' shapes (their vocabularies become the bundled tokenizer's)
 SHAPES: dict[str, dict[str, int]] = {
     "llama-3.2-1b": dict(hidden=2048, layers=16, inter=8192, heads=32, kv=8),
@@ -149,9 +155,51 @@ def random_pard(model_dir: str) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
+def padded(spec: str, root: str | Path = "runs/padded", seed: int = 0) -> str:
+    """The model directory of `padded:DIR,inter=N` (built on first use), with DIR's heads
+    (`DIR-<method>`) linked beside it where the benchmarks look for them."""
+    src, *opts = spec.removeprefix(PADDED).split(",")
+    try:
+        inter = int(dict(o.split("=", 1) for o in opts)["inter"])
+    except (KeyError, ValueError):
+        raise SystemExit(f"{spec!r}: give padded:DIR,inter=N") from None
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    if inter <= cfg["intermediate_size"]:
+        raise SystemExit(f"{spec!r}: inter={inter} must exceed the model's intermediate_size "
+                         f"({cfg['intermediate_size']})")
+    out = Path(root) / f"{Path(src).name}-inter{inter}"
+    if not (out / "model.safetensors").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        g = torch.Generator().manual_seed(seed)
+        tensors = {}
+        for f in sorted(Path(src).glob("*.safetensors")):
+            tensors |= load_file(str(f))
+        for name, t in list(tensors.items()):
+            if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):   # [I, H]
+                extra = torch.randn(inter - t.shape[0], t.shape[1], generator=g) * 0.02
+                tensors[name] = torch.cat([t, extra.to(t.dtype)])
+            elif name.endswith("mlp.down_proj.weight"):                       # [H, I]
+                tensors[name] = torch.cat([t, t.new_zeros(t.shape[0], inter - t.shape[1])], 1)
+        for f in Path(src).iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                shutil.copy(f, out / f.name)
+        (out / "config.json").write_text(json.dumps(cfg | {"intermediate_size": inter},
+                                                    indent=2) + "\n")
+        save_file(tensors, str(out / "model.safetensors.partial"))
+        (out / "model.safetensors.partial").rename(out / "model.safetensors")
+    for head in Path(src).parent.glob(f"{Path(src).name}-*"):
+        link = Path(f"{out}-{head.name.removeprefix(Path(src).name + '-')}")
+        # MTP lives in the target's own checkpoint: the padded one has none
+        if (head / "config.json").is_file() and not link.exists() and not head.name.endswith("-mtp"):
+            link.symlink_to(head.resolve())
+    return str(out)
+
+
 def resolve(path: str, tokenizer_dir: str | Path) -> str:
-    """A model directory for `path`: itself, or the built random model (with its random heads
-    and its PARD version) for `random:...`."""
+    """A model directory for `path`: itself, the built random model (with its random heads
+    and its PARD version) for `random:...`, or the padded model for `padded:...`."""
+    if path.startswith(PADDED):
+        return padded(path)
     if not path.startswith(PREFIX):
         return path
     out = materialize(path, tokenizer_dir)

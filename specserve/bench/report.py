@@ -38,14 +38,17 @@ def save(data: dict, out: str | Path, publish: bool = False) -> dict[str, str]:
 
 
 def publish_run(data: dict) -> str:
-    """Write a run to benchmarks/latest/ (one name per benchmark, device type and random-weight
-    target: a GPU run or one on `random:llama-3.2-1b` does not replace the CPU run on the zoo)
-    and add its line to HISTORY.md; returns the JSON's path."""
+    """Write a run to benchmarks/latest/ (one name per benchmark, device type and built
+    target: a GPU run or one on `random:llama-3.2-1b` or `padded:...` does not replace the CPU
+    run on the zoo) and add its line to HISTORY.md; returns the JSON's path."""
     s = data["settings"]
     device = torch.device(s.get("device", "cpu")).type
     name = data["benchmark"] + ("" if device == "cpu" else f"-{device}")
-    if s.get("target", "").startswith("random:"):
-        name += "-" + re.sub(r"[^A-Za-z0-9]+", "-", s["target"].removeprefix("random:"))
+    target = s.get("target", "")
+    if target.startswith("random:"):
+        name += "-" + re.sub(r"[^A-Za-z0-9]+", "-", target.removeprefix("random:"))
+    elif target.startswith("padded:"):
+        name += "-" + re.sub(r"[^A-Za-z0-9]+", "-", target.replace("models/", "")).strip("-")
     path = _write(data, LATEST, name)["json"]
     with HISTORY.open("a") as f:
         f.write(history_line(data) + "\n")
