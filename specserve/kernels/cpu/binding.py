@@ -67,6 +67,12 @@ _LlamaForwardArgs = _args("LlamaForwardArgs", [
     ("cos_sin", _P), ("w", _P), ("k_cache", _P), ("v_cache", _P), ("mask", _P),
     ("mask_stride", _I64), ("n_aux", _I64), ("aux_layers", _P), ("aux", _P), ("hidden", _P),
     ("ar", _P), ("reduce_timeout_s", ctypes.c_double), ("nthreads", _C)])
+_AllReduceArgs = _args("AllReduceArgs", [
+    ("x", _P), ("n", _I64), ("shm", _P), ("cap", _I64), ("rank", _I64), ("size", _I64),
+    ("seq", _I64), ("posted", _I64), ("timeout_s", ctypes.c_double), ("peers", _P),
+    ("npeers", _I64), ("parent", _I64)])
+_ChannelArgs = _args("ChannelArgs", [
+    ("shm", _P), ("seen", ctypes.c_uint32), ("timeout_s", ctypes.c_double)])
 
 
 class _HeadChainArgs(ctypes.Structure):
@@ -247,12 +253,6 @@ def rms_norm_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,
     lib.specserve_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1],
                            x.shape[-1], y.data_ptr())
     return y
-_AllReduceArgs = _args("AllReduceArgs", [
-    ("x", _P), ("n", _I64), ("shm", _P), ("cap", _I64), ("rank", _I64), ("size", _I64),
-    ("seq", _I64), ("posted", _I64), ("timeout_s", ctypes.c_double), ("peers", _P),
-    ("npeers", _I64), ("parent", _I64)])
-_ChannelArgs = _args("ChannelArgs", [
-    ("shm", _P), ("seen", ctypes.c_uint32), ("timeout_s", ctypes.c_double)])
 
 
 class CpuLayer:
