@@ -158,39 +158,41 @@ def random_pard(model_dir: str) -> None:
 def padded(spec: str, root: str | Path = "runs/padded", seed: int = 0) -> str:
     """The model directory of `padded:DIR,inter=N` (built on first use), with DIR's heads
     (`DIR-<method>`) linked beside it where the benchmarks look for them."""
-    src, *opts = spec.removeprefix(PADDED).split(",")
+    path, *opts = spec.removeprefix(PADDED).split(",")
+    src = Path(path)
     try:
         inter = int(dict(o.split("=", 1) for o in opts)["inter"])
     except (KeyError, ValueError):
         raise SystemExit(f"{spec!r}: give padded:DIR,inter=N") from None
-    cfg = json.loads((Path(src) / "config.json").read_text())
+    cfg = json.loads((src / "config.json").read_text())
     if inter <= cfg["intermediate_size"]:
         raise SystemExit(f"{spec!r}: inter={inter} must exceed the model's intermediate_size "
                          f"({cfg['intermediate_size']})")
-    out = Path(root) / f"{Path(src).name}-inter{inter}"
+    out = Path(root) / f"{src.name}-inter{inter}"
     if not (out / "model.safetensors").is_file():
         out.mkdir(parents=True, exist_ok=True)
         g = torch.Generator().manual_seed(seed)
         tensors = {}
-        for f in sorted(Path(src).glob("*.safetensors")):
+        for f in sorted(src.glob("*.safetensors")):
             tensors |= load_file(str(f))
-        for name, t in list(tensors.items()):
-            if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):   # [I, H]
+        for key, t in list(tensors.items()):
+            if key.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):    # [I, H]
                 extra = torch.randn(inter - t.shape[0], t.shape[1], generator=g) * 0.02
-                tensors[name] = torch.cat([t, extra.to(t.dtype)])
-            elif name.endswith("mlp.down_proj.weight"):                       # [H, I]
-                tensors[name] = torch.cat([t, t.new_zeros(t.shape[0], inter - t.shape[1])], 1)
-        for f in Path(src).iterdir():
+                tensors[key] = torch.cat([t, extra.to(t.dtype)])
+            elif key.endswith("mlp.down_proj.weight"):                        # [H, I]
+                tensors[key] = torch.cat([t, t.new_zeros(t.shape[0], inter - t.shape[1])], 1)
+        for f in src.iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
                 shutil.copy(f, out / f.name)
         (out / "config.json").write_text(json.dumps(cfg | {"intermediate_size": inter},
                                                     indent=2) + "\n")
         save_file(tensors, str(out / "model.safetensors.partial"))
         (out / "model.safetensors.partial").rename(out / "model.safetensors")
-    for head in Path(src).parent.glob(f"{Path(src).name}-*"):
-        link = Path(f"{out}-{head.name.removeprefix(Path(src).name + '-')}")
+    for head in src.parent.glob(f"{src.name}-*"):
+        suffix = head.name.removeprefix(src.name + "-")
+        link = Path(f"{out}-{suffix}")
         # MTP lives in the target's own checkpoint: the padded one has none
-        if (head / "config.json").is_file() and not link.exists() and not head.name.endswith("-mtp"):
+        if (head / "config.json").is_file() and not link.exists() and suffix != "mtp":
             link.symlink_to(head.resolve())
     return str(out)
 

@@ -6,8 +6,8 @@ gloo process group over a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's variab
 ids, positions, slots: JSON) to the workers, then every rank runs its shard; the all-reduces
 inside the layers keep them in lockstep. The scheduler, sampler, verifier and proposers stay on
 rank 0. With the CPU kernel, the steps and the layers' all-reduces go through memory the ranks
-share (rank 0 makes it and hands it to the workers it spawns), not gloo's TCP round trips: on a
-busy 2-core machine those cost hundreds of microseconds each, two per layer.
+share (rank 0 makes it and hands it to the workers it spawns), not gloo's round trips over TCP,
+two per layer.
 
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set: one process per rank, on one
 machine or several) no process is spawned: every rank runs the same script, rank 0 goes on as

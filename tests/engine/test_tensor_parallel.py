@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
-from specserve.engine.tensor_parallel import ShardedModel, WorkerDied
+from specserve.engine.tensor_parallel import ShardedModel, WorkerDied, _free_port
 from specserve.kernels.cpu import (
-    LlamaForward,
     SharedMemoryAllReduce,
     SharedMemoryChannel,
     load_library,
@@ -161,6 +160,8 @@ def test_shared_memory_sums_and_messages_between_two_processes():
 
 
 def test_a_rank_that_never_posts_is_checked_for_not_waited_for_forever():
+    """The wait ends (after the all-reduce's bound, or each channel poll) and check_peers
+    names the rank that is gone; with no rank gone, the all-reduce says none came."""
     if load_library() is None:
         pytest.skip("no C compiler: the CPU kernel cannot be built here")
     shm = torch.zeros(shm_numel(2, 8), dtype=torch.int64).share_memory_()
@@ -171,7 +172,10 @@ def test_a_rank_that_never_posts_is_checked_for_not_waited_for_forever():
         if len(checks) == 3:
             raise RuntimeError("rank 1 is gone")
 
-    reduce = SharedMemoryAllReduce(load_library(), shm, 0, 2, 8, check_peers, poll_s=0.01)
+    reduce = SharedMemoryAllReduce(load_library(), shm, 0, 2, 8, check_peers, timeout_s=0.01)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="did not come to an all-reduce within"):
+            reduce(torch.ones(8))
     with pytest.raises(RuntimeError, match="rank 1 is gone"):
         reduce(torch.ones(8))
     channel = SharedMemoryChannel(load_library(), torch.zeros(100, dtype=torch.uint8)
@@ -184,7 +188,6 @@ def test_a_rank_that_never_posts_is_checked_for_not_waited_for_forever():
 def test_ranks_that_torchrun_starts_serve_rank_0s_engine(llama_dir, tmp_path):
     """The same script on every rank, started by torchrun (as across machines): rank 0 runs
     the engine, rank 1 serves it inside LLM(...) and ends its process when rank 0 closes."""
-    import socket
     import subprocess
     import sys
     import textwrap
@@ -197,11 +200,8 @@ def test_ranks_that_torchrun_starts_serve_rank_0s_engine(llama_dir, tmp_path):
         print("TOKENS", out[0].outputs[0].token_ids)
         llm.engine.close()
     """))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", str(port), str(script)],
+                        "--master-port", str(_free_port()), str(script)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = LLM(str(llama_dir), device="cpu").generate(
@@ -267,7 +267,7 @@ def test_a_worker_that_dies_mid_step_is_noticed_inside_the_step(llama_dir):
     with pytest.raises(WorkerDied, match="specserve-tp-rank1 died during a step"):
         with torch.inference_mode():
             llm.engine.model(torch.tensor([1, 2, 3]), positions, md, llm.engine.cache.layers)
-    assert time.monotonic() - start < LlamaForward.REDUCE_TIMEOUT_S / 4
+    assert time.monotonic() - start < SharedMemoryAllReduce.TIMEOUT_S / 4
     llm.engine.close()
 
 

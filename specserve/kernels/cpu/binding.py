@@ -66,11 +66,11 @@ _LlamaForwardArgs = _args("LlamaForwardArgs", [
     ("positions", _P), ("rope", _P), ("embed", _P), ("final_norm", _P), ("eps", _F),
     ("cos_sin", _P), ("w", _P), ("k_cache", _P), ("v_cache", _P), ("mask", _P),
     ("mask_stride", _I64), ("n_aux", _I64), ("aux_layers", _P), ("aux", _P), ("hidden", _P),
-    ("ar", _P), ("reduce_timeout_s", ctypes.c_double), ("nthreads", _C)])
+    ("ar", _P), ("nthreads", _C)])
 _AllReduceArgs = _args("AllReduceArgs", [
     ("x", _P), ("n", _I64), ("shm", _P), ("cap", _I64), ("rank", _I64), ("size", _I64),
-    ("seq", _I64), ("posted", _I64), ("timeout_s", ctypes.c_double), ("peers", _P),
-    ("npeers", _I64), ("parent", _I64)])
+    ("seq", _I64), ("timeout_s", ctypes.c_double), ("peers", _P), ("npeers", _I64),
+    ("parent", _I64)])
 _ChannelArgs = _args("ChannelArgs", [
     ("shm", _P), ("seen", ctypes.c_uint32), ("timeout_s", ctypes.c_double)])
 
@@ -495,10 +495,6 @@ class LlamaForward:
     bundled target, in a throwaway A/B). The values are those of the layer-by-layer path
     through this kernel. Built by `use_decode_linears`."""
 
-    # the longest wait in one step for the other tensor-parallel ranks: a layer's half of a
-    # long prompt chunk on a slow machine, not a dead rank (which is then looked for)
-    REDUCE_TIMEOUT_S = 120.0
-
     def __init__(self, layers: list[CpuLayer], embed: torch.Tensor, final_norm: torch.Tensor,
                  eps: float, cos_sin: torch.Tensor,
                  reduce: SharedMemoryAllReduce | None = None) -> None:
@@ -515,10 +511,9 @@ class LlamaForward:
         # the tensors' addresses: a head that shares the embedding may move its storage
         self._args = _LlamaForwardArgs(s=ctypes.cast(a.shapes, ctypes.POINTER(_Shape)),
                                        L=a.num_layers, eps=eps, w=ctypes.cast(a.weights, _P))
-        self.reduce = reduce            # its struct's call numbers go on from either path
+        self.reduce = reduce            # its struct's part numbers go on from either path
         if reduce is not None:
             self._args.ar = ctypes.addressof(reduce._args)
-            self._args.reduce_timeout_s = self.REDUCE_TIMEOUT_S
         self._aux_ids: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _use(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -560,9 +555,7 @@ class LlamaForward:
         args.hidden, args.nthreads = hidden.data_ptr(), torch.get_num_threads()
         rc = self.lib.specserve_llama_forward(ctypes.byref(args))
         if rc == -3:
-            self.reduce.check_peers()
-            raise RuntimeError(f"LlamaForward: a tensor-parallel rank did not come to an "
-                               f"all-reduce within {self.REDUCE_TIMEOUT_S:.0f} s")
+            self.reduce.missed("LlamaForward")
         _check_rc(rc, "LlamaForward")
         return (hidden, aux) if aux_layers else hidden
 
@@ -571,34 +564,39 @@ class SharedMemoryAllReduce:
     """In-place sum over the `size` tensor-parallel ranks of one machine, through `shm` (a
     tensor in memory all ranks share, of `shm_numel(size, cap)` int64, zeros at first; see
     specserve_all_reduce). Each rank's caller must call it in the same order with tensors of
-    the same size. While it waits for another rank, `check_peers()` runs every `poll_s`: it
-    raises when a rank is gone (a dead peer would otherwise be waited for forever). Inside
-    one C call (LlamaForward) the C side looks for the same itself: the exit of a process in
-    `peers` (rank 0's workers) or of `parent` (a worker's rank 0)."""
+    the same size. A wait ends when a process in `peers` (rank 0's workers) or `parent` (a
+    worker's rank 0) exits, or after `timeout_s` (a layer's half of a long prompt chunk on a
+    slow machine takes far less); `check_peers()` then raises naming the rank that is gone."""
+
+    TIMEOUT_S = 120.0
 
     def __init__(self, lib: ctypes.CDLL, shm: torch.Tensor, rank: int, size: int, cap: int,
-                 check_peers: Callable[[], None], poll_s: float = 0.1,
-                 peers: tuple[int, ...] = (), parent: int = 0) -> None:
+                 check_peers: Callable[[], None], peers: tuple[int, ...] = (), parent: int = 0,
+                 timeout_s: float = TIMEOUT_S) -> None:
         if not shm.is_shared() or shm.numel() < shm_numel(size, cap):
             raise ValueError("SharedMemoryAllReduce: shm must be a shared tensor of "
                              f"{shm_numel(size, cap)} int64")
-        self.lib, self._shm, self.cap, self.check_peers = lib, shm, cap, check_peers
+        self.lib, self._shm, self.check_peers = lib, shm, check_peers
         self._peers = (ctypes.c_int32 * max(1, len(peers)))(*peers)
         self._args = _AllReduceArgs(shm=shm.data_ptr(), cap=cap, rank=rank, size=size,
-                                    timeout_s=poll_s, peers=ctypes.cast(self._peers, _P),
+                                    timeout_s=timeout_s, peers=ctypes.cast(self._peers, _P),
                                     npeers=len(peers), parent=parent)
 
     def __call__(self, x: torch.Tensor) -> None:
         if x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError("SharedMemoryAllReduce: x must be contiguous float32")
-        a, flat = self._args, x.view(-1)
-        for start in range(0, flat.numel(), self.cap):
-            part = flat[start:start + self.cap]
-            a.x, a.n, a.seq, a.posted = part.data_ptr(), part.numel(), a.seq + 1, 0
-            while (rc := self.lib.specserve_all_reduce(ctypes.byref(a))) == 1:
-                a.posted = 1
-                self.check_peers()
-            _check_rc(rc, "SharedMemoryAllReduce")
+        self._args.x, self._args.n = x.data_ptr(), x.numel()
+        rc = self.lib.specserve_all_reduce(ctypes.byref(self._args))
+        if rc == -3:
+            self.missed("SharedMemoryAllReduce")
+        _check_rc(rc, "SharedMemoryAllReduce")
+
+    def missed(self, who: str) -> None:
+        """A wait that ended without every rank's part: WorkerDied (or what check_peers
+        raises) when a rank is gone, else a RuntimeError."""
+        self.check_peers()
+        raise RuntimeError(f"{who}: a tensor-parallel rank did not come to an all-reduce "
+                           f"within {self._args.timeout_s:.0f} s")
 
 
 class SharedMemoryChannel:

@@ -299,9 +299,9 @@ int specserve_block(void) { return VL; }
 
 /* The longest step the kernel takes whole; longer prompt chunks run layer by layer through
  * PyTorch, their matrix products still in specserve_linear. In a throwaway timing of the
- * bundled target's forward on a Zen 4 machine, the kernel built for AVX-512 was the faster at every length up to 512 rows (in bfloat16 2.3-3.4x
- * from 64 rows on, in float32 1.3-2.1x); built for haswell (AVX2) it tied at 64 rows and was
- * 1.5x slower at 512. */
+ * bundled target's forward on a Zen 4 machine, the kernel built for AVX-512 was the faster at
+ * every length up to 512 rows (in bfloat16 2.3-3.4x from 64 rows on, in float32 1.3-2.1x);
+ * built for haswell (AVX2) it tied at 64 rows and was 1.5x slower at 512. */
 int specserve_max_rows(void) { return VL == 16 ? 512 : 48; }
 
 #define TILE(TB, MODE) case TB: tile(wt, MODE, xg, in_x, TB, buf); break;
@@ -1141,21 +1141,20 @@ int specserve_llama_chain(const LlamaChainArgs *a) {
                             a->w, a->k_cache, a->v_cache, a->tokens, a->nthreads);
 }
 
-/* The all-reduce (sum) of tensor-parallel ranks on one machine, through memory they share:
- * gloo's TCP collectives cost hundreds of microseconds on a busy 2-core machine, two per layer.
- * shm: counters [size, 8] int64 (rank r's calls so far at counters[8 r], a cache line each),
- * then two buffers [2, size, cap] float: call number seq uses buffer seq % 2, where rank r
- * posts its x at [r]. A rank can be at most one call ahead of the slowest (each call waits for
- * every rank's post), so the buffer it writes is never one another rank still reads. Every rank
- * sums the posts in rank order: all get the same bits. */
+/* The all-reduce (sum) of tensor-parallel ranks on one machine, through memory they share
+ * instead of gloo's round trips over TCP, two per layer.
+ * shm: counters [size, 8] int64 (rank r's parts so far at counters[8 r], a cache line each),
+ * then two buffers [2, size, cap] float: part number seq uses buffer seq % 2, where rank r
+ * posts its part at [r]. A rank can be at most one part ahead of the slowest (each part waits
+ * for every rank's post), so the buffer it writes is never one another rank still reads. Every
+ * rank sums the posts in rank order: all get the same bits. */
 typedef struct {
-    float *x;               /* [n] in: this rank's part; out: the sum over ranks */
-    int64_t n;              /* <= cap */
+    float *x;               /* [n] in: this rank's partial sum; out: the sum over ranks */
+    int64_t n;              /* summed in parts of at most cap floats */
     int64_t *shm;
     int64_t cap, rank, size;
-    int64_t seq;            /* this call's number, from 1 */
-    int64_t posted;         /* 1: x was posted by an earlier try that timed out */
-    double timeout_s;       /* wait at most this long, then return 1 (the caller retries) */
+    int64_t seq;            /* parts summed so far */
+    double timeout_s;       /* the longest wait for the other ranks in one call */
     const int32_t *peers;   /* child processes whose exit ends a wait (rank 0's workers) */
     int64_t npeers;
     int64_t parent;         /* a worker's rank 0: its exit ends a wait too (0: none) */
@@ -1169,34 +1168,11 @@ static double seconds(void) {
     return ts.tv_sec + 1e-9 * ts.tv_nsec;
 }
 
-int specserve_all_reduce(const AllReduceArgs *a) {
-    if (a->n < 0 || a->n > a->cap || a->rank < 0 || a->rank >= a->size || a->seq < 1) return -2;
-    int64_t *counters = a->shm;
-    float *buf = (float *)(a->shm + 8 * a->size) + (a->seq % 2) * a->size * a->cap;
-    if (!a->posted) {
-        memcpy(buf + a->rank * a->cap, a->x, a->n * sizeof(float));
-        __atomic_store_n(counters + 8 * a->rank, a->seq, __ATOMIC_RELEASE);
-    }
-    const double deadline = seconds() + a->timeout_s;
-    for (int64_t r = 0; r < a->size; r++) {
-        for (int64_t spins = 1; __atomic_load_n(counters + 8 * r, __ATOMIC_ACQUIRE) < a->seq;
-             spins++) {
-            if (spins % 64) {
+/* One turn of a spin-wait loop */
+static inline void relax(void) {
 #if defined(__x86_64__)
-                __builtin_ia32_pause();
+    __builtin_ia32_pause();
 #endif
-                continue;
-            }
-            if (seconds() > deadline) return 1;
-            sched_yield();      /* the rank it waits for may need this core */
-        }
-    }
-    for (int64_t i = 0; i < a->n; i++) {
-        float sum = buf[i];
-        for (int64_t r = 1; r < a->size; r++) sum += buf[r * a->cap + i];
-        a->x[i] = sum;
-    }
-    return 0;
 }
 
 /* Whether a rank this one waits for is gone: a child in a->peers that exited (looked at, not
@@ -1215,21 +1191,48 @@ static int peer_gone(const AllReduceArgs *a) {
     return 0;
 }
 
-/* x [n] summed over the ranks (specserve_all_reduce) in parts of at most a->cap, each a new
- * call number; waits for the other ranks at most timeout_s in all. Returns 0, or -3 when a rank
- * is gone or did not come in time (the caller finds out which). */
-static int all_reduce_parts(AllReduceArgs *a, float *x, int64_t n, double timeout_s) {
-    const double deadline = seconds() + timeout_s;
-    for (int64_t start = 0; start < n; start += a->cap) {
-        a->x = x + start;
-        a->n = n - start < a->cap ? n - start : a->cap;
-        a->seq++;
-        a->posted = 0;
-        int rc;
-        while ((rc = specserve_all_reduce(a)) == 1) {
-            a->posted = 1;
-            if (peer_gone(a) || seconds() > deadline) return -3;
+/* x [n <= cap] summed over the ranks as the next part. Returns 0, or -3 when a rank is gone
+ * or did not post by `deadline`. */
+static int reduce_part(AllReduceArgs *a, float *x, int64_t n, double deadline) {
+    const int64_t seq = ++a->seq;
+    int64_t *counters = a->shm;
+    float *buf = (float *)(a->shm + 8 * a->size) + (seq % 2) * a->size * a->cap;
+    memcpy(buf + a->rank * a->cap, x, n * sizeof(float));
+    __atomic_store_n(counters + 8 * a->rank, seq, __ATOMIC_RELEASE);
+    double next_check = 0;
+    for (int64_t r = 0; r < a->size; r++) {
+        for (int64_t spins = 1; __atomic_load_n(counters + 8 * r, __ATOMIC_ACQUIRE) < seq;
+             spins++) {
+            if (spins % 64) {
+                relax();
+                continue;
+            }
+            const double now = seconds();
+            if (now > deadline) return -3;
+            if (now > next_check) {         /* a few system calls, every 10 ms of waiting */
+                if (peer_gone(a)) return -3;
+                next_check = now + 0.01;
+            }
+            sched_yield();      /* the rank it waits for may need this core */
         }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        float sum = buf[i];
+        for (int64_t r = 1; r < a->size; r++) sum += buf[r * a->cap + i];
+        x[i] = sum;
+    }
+    return 0;
+}
+
+/* a->x [a->n] summed over the ranks, in place, in parts of at most a->cap. Returns 0, -2 for
+ * arguments out of range, or -3 when a rank is gone or did not come within a->timeout_s (the
+ * caller finds out which). */
+int specserve_all_reduce(AllReduceArgs *a) {
+    if (a->n < 0 || a->cap < 1 || a->rank < 0 || a->rank >= a->size) return -2;
+    const double deadline = seconds() + a->timeout_s;
+    for (int64_t start = 0; start < a->n; start += a->cap) {
+        const int rc = reduce_part(a, a->x + start, a->n - start < a->cap ? a->n - start : a->cap,
+                                   deadline);
         if (rc) return rc;
     }
     return 0;
@@ -1241,15 +1244,16 @@ static int all_reduce_parts(AllReduceArgs *a, float *x, int64_t n, double timeou
 static int sharded_layer(const Shape *s, int64_t T, float *x, const int64_t *slots,
                          const int64_t *positions, const void *const *w, void *k_cache,
                          void *v_cache, const float *cos, const float *sin, const uint8_t *mask,
-                         int64_t mask_stride, AllReduceArgs *ar, double timeout_s, float *part,
-                         int nthreads) {
+                         int64_t mask_stride, AllReduceArgs *ar, float *part, int nthreads) {
     const int64_t n = T * s->hidden;
+    ar->x = part;
+    ar->n = n;
     int rc = attention_half(s, T, x, NULL, slots, positions, w, k_cache, v_cache, cos, sin, mask,
                             mask_stride, part, 0, nthreads);
-    if (!rc) rc = all_reduce_parts(ar, part, n, timeout_s);
+    if (!rc) rc = specserve_all_reduce(ar);
     for (int64_t i = 0; !rc && i < n; i++) x[i] += part[i];
     if (!rc) rc = mlp_half(s, T, x, w, part, 0, nthreads);
-    if (!rc) rc = all_reduce_parts(ar, part, n, timeout_s);
+    if (!rc) rc = specserve_all_reduce(ar);
     for (int64_t i = 0; !rc && i < n; i++) x[i] += part[i];
     return rc;
 }
@@ -1270,7 +1274,7 @@ static int llama_forward_impl(const Shape *s, int64_t L, int64_t T, const int64_
                             const void *const *const *w, void *const *k_cache,
                             void *const *v_cache, const uint8_t *mask, int64_t mask_stride,
                             int64_t n_aux, const int64_t *aux_layers, float *aux, float *hidden,
-                            AllReduceArgs *ar, double reduce_timeout_s, int nthreads) {
+                            AllReduceArgs *ar, int nthreads) {
     const int64_t H = s[0].hidden, D = s[0].head_dim;
     float *x = malloc(sizeof(float) * T * H), *rot = malloc(sizeof(float) * T * 2 * D);
     float *part = ar ? malloc(sizeof(float) * T * H) : NULL;
@@ -1287,7 +1291,7 @@ static int llama_forward_impl(const Shape *s, int64_t L, int64_t T, const int64_
         Shape ls = s[l];
         ls.rot_stride = 2 * D;
         rc = ar ? sharded_layer(&ls, T, x, slots, positions, w[l], k_cache[l], v_cache[l], rot,
-                                rot + D, mask, mask_stride, ar, reduce_timeout_s, part, nthreads)
+                                rot + D, mask, mask_stride, ar, part, nthreads)
                 : layer_impl(&ls, T, x, NULL, slots, positions, w[l], k_cache[l], v_cache[l],
                              rot, rot + D, mask, mask_stride, nthreads);
     }
@@ -1319,7 +1323,6 @@ typedef struct {
     float *aux;
     float *hidden;
     AllReduceArgs *ar;          /* a tensor-parallel shard's all-reduce; NULL: a whole model */
-    double reduce_timeout_s;    /* the longest wait for the other ranks in one step */
     int nthreads;
 } LlamaForwardArgs;
 
@@ -1333,7 +1336,7 @@ int specserve_llama_forward(const LlamaForwardArgs *a) {
     return llama_forward_impl(a->s, a->L, a->T, a->ids, a->slots, a->positions, a->rope, a->embed,
                               a->final_norm, a->eps, a->cos_sin, a->w, a->k_cache, a->v_cache,
                               a->mask, a->mask_stride, a->n_aux, a->aux_layers, a->aux, a->hidden,
-                              a->ar, a->reduce_timeout_s, a->nthreads);
+                              a->ar, a->nthreads);
 }
 
 /* Rank 0's step messages to the tensor-parallel workers of its machine, through the same kind
@@ -1361,9 +1364,7 @@ int specserve_channel_wait(const ChannelArgs *a) {
     const double deadline = seconds() + a->timeout_s;
     for (int64_t spins = 1; __atomic_load_n(a->shm, __ATOMIC_ACQUIRE) == a->seen; spins++) {
         if (spins % 64) {
-#if defined(__x86_64__)
-            __builtin_ia32_pause();
-#endif
+            relax();
             continue;
         }
         const double left = deadline - seconds();
