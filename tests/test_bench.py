@@ -79,7 +79,7 @@ def test_weight_bytes_as_stored_and_as_the_cpu_kernel_streams_them(llama_dir):
 
     from specserve.bench.probes import weight_bytes
     from specserve.kernels.cpu import load_library
-    from specserve.models.layers import use_decode_linears
+    from specserve.models.cpu_backend import use_decode_linears
     from specserve.models.loader import load_model
     model = load_model(llama_dir, torch.float32, torch.device("cpu"))
     a = model.args

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specserve.kv_cache import KVCache
+from specserve.models.cpu_backend import KernelLayer
 
 
 def test_slots_are_allocated_once_and_freed_back():
@@ -55,7 +56,7 @@ def test_a_bfloat16_kv_cache_takes_half_the_memory_and_speculation_stays_lossles
                  {"method": "eagle3", "model": str(eagle3_ckpt(tmp_path / "e3"))}):
         llm = LLM(str(llama_dir), device="cpu", kv_cache_dtype="bfloat16", cpu_kernel=cpu_kernel,
                   speculative_config=spec and spec | {"num_speculative_tokens": 3})
-        assert (llm.engine.model.layers[0].cpu_layer is not None) == cpu_kernel
+        assert isinstance(llm.engine.model.layers[0], KernelLayer) == cpu_kernel
         out = llm.generate(ps, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in out[::2]] == ref[::2], spec
         if spec is not None:

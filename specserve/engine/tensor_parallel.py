@@ -365,6 +365,3 @@ class ShardedModel(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.shard.compute_logits(hidden)
-
-    def kernel_chain(self, caches) -> None:
-        return None                     # its passes all-reduce: one C call cannot run them

@@ -77,7 +77,7 @@ class DraftModelProposer(ProposerBase):
                              f"vocabulary [0, {ctx.vocab_size})")
         self.state: dict[str, _DraftState] = {}
         # greedy chains in one compiled call where the model has one (on the CPU kernel)
-        self.chain = (self.model.kernel_chain(self.cache.layers)
+        self.chain = (ctx.backend.chain(self.model, self.cache.layers)
                       if not self.sample and self.mask_id is None else None)
         self.graphs = ctx.backend.graphs(self.model, self.cache, ctx.num_slots)
 

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.kernels.cpu import HeadChain
 from specserve.methods.base import DraftContext, MethodSpec
 from specserve.methods.checkpoints import (
     assign_weights,
@@ -23,7 +22,7 @@ from specserve.methods.checkpoints import (
     write_head,
 )
 from specserve.methods.head_proposer import HeadProposer
-from specserve.models.heads import StatefulHead
+from specserve.models.heads import ChainParts, StatefulHead
 from specserve.models.layers import AttentionMetadata
 from specserve.models.llama import DecoderLayer, LlamaArgs
 from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_dict
@@ -48,8 +47,8 @@ class EagleHead(StatefulHead):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(out)
 
-    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
-        return self._chain(self.layers[0], None, None, self.fc, None, None, cache)
+    def chain_parts(self) -> ChainParts:
+        return ChainParts(self.layers[0], None, None, self.fc, None, None)
 
 
 def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,

@@ -9,6 +9,7 @@ the last pair standing in for the drafts not known yet; trained on the PARD layo
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -17,7 +18,6 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.kernels.cpu import HeadChain, kernel_step
 from specserve.methods.base import DraftContext, MethodSpec
 from specserve.methods.checkpoints import (
     assign_weights,
@@ -30,33 +30,24 @@ from specserve.methods.checkpoints import (
 )
 from specserve.methods.head_proposer import HeadProposer
 from specserve.methods.parallel import first_unused, mask_token_id, pard_mask
-from specserve.models.heads import StatefulHead
-from specserve.models.layers import MLP, Attention, RMSNorm
-from specserve.models.llama import LlamaArgs
+from specserve.models.heads import ChainParts, StatefulHead
+from specserve.models.layers import RMSNorm
+from specserve.models.llama import DecoderLayer, LlamaArgs
 from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_dict
 
 
-class Eagle3DecoderLayer(nn.Module):
-    """Attention over [input_layernorm(embedding); hidden_norm(hidden)] (2H wide), residual on
-    the hidden state, then the usual MLP."""
+class Eagle3DecoderLayer(DecoderLayer):
+    """Attention over [input_layernorm(embedding); hidden_norm(hidden)] (2H wide, no bias, no
+    q/k norm whatever the target has), residual on the hidden state, then the usual MLP."""
 
     def __init__(self, a: LlamaArgs) -> None:
-        super().__init__()
-        H = a.hidden_size
-        self.input_layernorm = RMSNorm(H, a.rms_norm_eps)
-        self.hidden_norm = RMSNorm(H, a.rms_norm_eps)
-        self.self_attn = Attention(H, a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                                   bias=False, qk_norm=False, eps=a.rms_norm_eps, in_dim=2 * H)
-        self.post_attention_layernorm = RMSNorm(H, a.rms_norm_eps)
-        self.mlp = MLP(H, a.intermediate_size)
-        self.cpu_layer = None           # see DecoderLayer
+        super().__init__(dataclasses.replace(a, attention_bias=False, qk_norm=False),
+                         attn_in_dim=2 * a.hidden_size)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, emb, hidden, cos_sin, md, cache, mask=None):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        if self.cpu_layer is not None and kernel_step(md, x, self.cpu_layer.lib):
-            return self.cpu_layer(hidden, cos_sin, md, cache, attn_in=x)
-        x = hidden + self.self_attn(x, cos_sin, md, cache, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.step(hidden, cos_sin, md, cache, mask, attn_in=x)
 
 
 class Eagle3Head(StatefulHead):
@@ -94,10 +85,10 @@ class Eagle3Head(StatefulHead):
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out))                                  # [T, draft_vocab]
 
-    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
+    def chain_parts(self) -> ChainParts:
         layer = self.layers[0]
-        return self._chain(layer, layer.input_layernorm, layer.hidden_norm, None, self.norm,
-                           self.d2t, cache)
+        return ChainParts(layer, layer.input_layernorm, layer.hidden_norm, None, self.norm,
+                          self.d2t)
 
     def draft_to_target(self) -> torch.Tensor:
         """The target id of each draft-vocabulary id: [draft_vocab]."""

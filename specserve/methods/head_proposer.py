@@ -67,7 +67,7 @@ class HeadProposer(ProposerBase):
                 self.mask_state = self.head.mask_state()                      # [1, H]
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
         # greedy chains in one compiled call where the head has one (on the CPU kernel)
-        self.chain = (self.head.kernel_chain(self.cache.layers[0])
+        self.chain = (ctx.backend.chain(self.head, self.cache.layers)
                       if self.tree is None and self.num_layers == 1 and not self.parallel
                       else None)
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs

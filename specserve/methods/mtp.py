@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.kernels.cpu import HeadChain
 from specserve.methods.base import DraftContext, MethodSpec
 from specserve.methods.checkpoints import (
     add_shard,
@@ -27,7 +26,7 @@ from specserve.methods.checkpoints import (
     to_dtype,
 )
 from specserve.methods.head_proposer import HeadProposer
-from specserve.models.heads import StatefulHead
+from specserve.models.heads import ChainParts, StatefulHead
 from specserve.models.layers import RMSNorm
 from specserve.models.llama import DecoderLayer, LlamaArgs
 from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_dict
@@ -53,9 +52,9 @@ class MTPLayer(StatefulHead):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.shared_head_norm(out))
 
-    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
-        return self._chain(self.block, self.enorm, self.hnorm, self.eh_proj,
-                           self.shared_head_norm, None, cache)
+    def chain_parts(self) -> ChainParts:
+        return ChainParts(self.block, self.enorm, self.hnorm, self.eh_proj,
+                          self.shared_head_norm, None)
 
 
 class MTPStack(StatefulHead):

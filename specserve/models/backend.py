@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from specserve.config import resolve_dtype
-from specserve.kernels.cpu import cpu_features, max_rows
+from specserve.kernels.cpu import HeadChain, LlamaChain, cpu_features, max_rows
 from specserve.kv_cache import KVCache
+from specserve.models.cpu_backend import DecodeLinear, compiled_chain, use_decode_linears
 from specserve.models.cuda_graphs import CudaGraphs
-from specserve.models.layers import DecodeLinear, model_tensor, use_decode_linears
+from specserve.models.layers import model_tensor
 from specserve.models.llama import LlamaForCausalLM
 
 
@@ -39,6 +40,13 @@ class Backend:
     def graphs(self, model: nn.Module, cache: KVCache, max_batch: int) -> CudaGraphs | None:
         """CUDA graphs of `model`'s few-row cached steps over `cache`, or None (eager)."""
         return CudaGraphs(model, cache, max_batch) if self.cuda_graphs else None
+
+    def chain(self, model: nn.Module, caches: list[tuple[torch.Tensor, torch.Tensor]]
+              ) -> LlamaChain | HeadChain | None:
+        """Greedy chain drafting in one compiled call per step for a prepared draft model or
+        head with KV caches `caches` (a head: its first layer's), or None (the proposer's
+        PyTorch loop)."""
+        return compiled_chain(model, caches) if self.device.type == "cpu" else None
 
     def describe(self, model: nn.Module) -> str:
         """Which path a prepared model's steps take (the engine logs it)."""

@@ -9,12 +9,28 @@ checkpoint formats, so that published heads load with at most a rename.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from specserve.kernels.cpu import HeadChain
 from specserve.models.layers import RMSNorm, Rotary
 from specserve.models.llama import LlamaArgs
+
+
+@dataclass(frozen=True)
+class ChainParts:
+    """A head's draft step as parts: state = fc([e_norm(embed(token)); h_norm(h)]) (either
+    norm or fc may be absent), out = layer(state) (an EAGLE-3 layer attends over the normed
+    pair and keeps h as its residual), logits = lm_head(final_norm(out)) over a draft
+    vocabulary mapped to target ids by `d2t` (None: the target's)."""
+
+    layer: nn.Module
+    e_norm: RMSNorm | None
+    h_norm: RMSNorm | None
+    fc: nn.Module | None
+    final_norm: RMSNorm | None
+    d2t: torch.Tensor | None
 
 
 class StatefulHead(nn.Module):
@@ -58,27 +74,10 @@ class StatefulHead(nn.Module):
         """The k most likely next tokens (target ids, best first) for each row [T, H]: [T, k]."""
         return self.to_target_ids(self.draft_logits(out).topk(k, dim=-1).indices)
 
-    def kernel_chain(self, cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
-        """Greedy chain drafting in compiled code for this head with KV cache `cache`, or None
-        (then the proposer runs the PyTorch loop)."""
+    def chain_parts(self) -> ChainParts | None:
+        """What one greedy draft step is made of, for a backend that drafts whole chains in
+        compiled code (None: the proposer runs the PyTorch loop)."""
         return None
-
-    def _chain(self, layer: nn.Module, e_norm: RMSNorm | None, h_norm: RMSNorm | None,
-               fc: nn.Module | None, final_norm: RMSNorm | None, d2t: torch.Tensor | None,
-               cache: tuple[torch.Tensor, torch.Tensor]) -> HeadChain | None:
-        """The HeadChain of these parts where all run on the CPU kernel with one eps (the C
-        code norms with the layer's), else None."""
-        norms = [n for n in (e_norm, h_norm, final_norm) if n is not None]
-        packed = [getattr(m, "kernel_weight", None) for m in (self.lm_head, fc) if m is not None]
-        if (layer.cpu_layer is None or any(w is None for w in packed)
-                or any(n.lib is None for n in norms)
-                or len({n.eps for n in norms} | {layer.post_attention_layernorm.eps}) != 1):
-            return None
-        e_w, h_w, final_w = (None if n is None else n.weight for n in (e_norm, h_norm, final_norm))
-        return HeadChain(layer.cpu_layer, self.embed_tokens.weight, e_w, h_w,
-                         None if fc is None else fc.kernel_weight, None if fc is None else fc.bias,
-                         final_w, self.lm_head.kernel_weight, self.lm_head.out_features, d2t,
-                         self.rotary.cos_sin, cache)
 
     def greedy_tokens_with_prob(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """greedy_tokens(out) and the head's probability of each: ([T], [T])."""

@@ -3,6 +3,9 @@
 Inference runs on a flat ragged batch: all new tokens of all requests in one `[num_tokens, ...]`
 tensor, request-major, with an `AttentionMetadata` describing where each request's tokens sit.
 Training runs on a dense `[batch, seq, ...]` tensor with plain causal attention (metadata None).
+
+These are plain PyTorch modules: the backend (models/backend.py) swaps in its variants for
+inference (models/cpu_backend.py: packed linears, the C kernel's layers and steps).
 """
 
 from __future__ import annotations
@@ -14,17 +17,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from specserve.config import check_quantization
-from specserve.kernels.cpu import (
-    GROUP,
-    CpuLayer,
-    linear_rows,
-    load_library,
-    max_rows,
-    pack_weight,
-    rms_norm_rows,
-)
 
 
 @dataclass(slots=True)
@@ -74,11 +66,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-        self.lib = None         # the CPU kernel, set by use_decode_linears for inference
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lib is not None and x.numel() <= max_rows(self.lib) * x.shape[-1]:
-            return rms_norm_rows(self.lib, x, self.weight, self.eps)
         if x.dtype == torch.float32:                 # one fused kernel
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 like the reference implementation, then cast back.
@@ -194,7 +183,7 @@ class Attention(nn.Module):
         injects the target's context into a layer this way)."""
         lead = x.shape[:-1]
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        if w is None:           # packed for the CPU kernel: the k and v columns only
+        if w is None:           # a backend's packed linear: it reads the k and v columns only
             kv = self.qkv_proj.forward_from(x, self.q_size)                # [..., 2 * Hkv * D]
         else:
             kv = F.linear(x, w[self.q_size:], None if b is None else b[self.q_size:])
@@ -260,131 +249,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecodeLinear(nn.Module):
-    """Inference-only CPU linear over a copy of its weight packed for few-row inputs.
-
-    MKL's sgemm (behind F.linear) is slow for the few-row matmuls of decoding: a verify step
-    of 1+k rows cost well over a one-row decode step. With `lib` (the compiled CPU kernel),
-    every input goes through the kernel over the packed copy (`kernel_weight`, which
-    `CpuLayer` reads too), and the module keeps no other: a weight is held once, in the bytes
-    the kernel streams (bfloat16 where bfloat16 holds it, int8 with `quantization`). Without
-    the kernel, oneDNN with the weight reordered once for a multi-row layout keeps the cost
-    nearly flat from 1 to about 8 rows, and a one-row step is cheaper too; in bfloat16 it also
-    beats F.linear's kernel (`specserve bench latency --pytorch-path` compares the paths).
-    """
-
-    PACK_ROWS = 16
-
-    def __init__(self, linear: nn.Linear, lib=None, bf16_inputs: bool = False,
-                 quantization: str | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.lib = lib
-        self.bias = linear.bias
-        if lib is not None:
-            # A plain attribute, so that module.to() and .float() (a head's prepare, which may
-            # hold the target's lm_head) never convert it out of the kernel's layout.
-            self.weight = None
-            self.kernel_weight = pack_weight(linear.weight, lib.specserve_block(),
-                                             pairs=bf16_inputs, int8=quantization == "int8")
-            return
-        self.weight = linear.weight                  # same Parameter: ties stay tied
-        self.kernel_weight = None
-        # An opaque oneDNN tensor: a plain attribute, since module.to() cannot move it. The
-        # layout is chosen for PACK_ROWS-row inputs; any hint > 1 gives the fast few-row
-        # kernels (a plain to_mkldnn() copy runs 5 rows at 2x the cost of one).
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
-                                                              self.PACK_ROWS)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lib is not None:
-            # Longer inputs (prompt chunks) too: a tile's weights stay in cache while its rows
-            # pass, and no float32 copy of the weight is kept for them.
-            y = linear_rows(self.lib, x.reshape(-1, self.in_features), self.kernel_weight,
-                            self.bias, self.out_features)                  # [N, out]
-            return y.view(*x.shape[:-1], self.out_features)
-        if x.dim() == 2:                                 # [T, in]: the engine's flat batch
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed,
-                                               self.bias, "none", [], "")     # [N, out]
-        return y.view(*x.shape[:-1], self.out_features)
-
-    def forward_from(self, x: torch.Tensor, first: int) -> torch.Tensor:
-        """forward(x)[..., first:] (the tail of a fused projection: DFlash's keys and values),
-        reading only those columns' weights when `first` starts a packed group of columns."""
-        width = GROUP * self.lib.specserve_block() if self.lib is not None else 0
-        if not width or first % width:
-            return self(x)[..., first:]
-        bias = None if self.bias is None else self.bias[first:]
-        y = linear_rows(self.lib, x.reshape(-1, self.in_features),
-                        self.kernel_weight[first // width:], bias, self.out_features - first)
-        return y.view(*x.shape[:-1], self.out_features - first)
-
-
 def model_tensor(model: nn.Module) -> torch.Tensor:
     """A tensor of `model` with the device and dtype it computes in: its first parameter (or
     buffer: kernel-packed weights are neither)."""
     return next(itertools.chain(model.parameters(), model.buffers()))
-
-
-def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
-                       quantization: str | None = None) -> nn.Module:
-    """Swap every nn.Linear of a float32 or bfloat16 CPU inference model for a DecodeLinear
-    (in place). Other cases keep nn.Linear: CUDA has cuBLAS; float16, and bfloat16 without the
-    kernel on a CPU without native bfloat16 instructions, have no fast oneDNN kernel.
-
-    With `cpu_kernel`, every linear and the small inputs of RMSNorms go through the compiled
-    CPU kernel, and every decoder layer (a module with a `cpu_layer` slot) gets a CpuLayer for
-    its few-row cached steps; without a C compiler that is skipped with a warning. A bfloat16
-    model becomes float32 then (its values unchanged) and its few-row matrix products take
-    their inputs in bfloat16 (AVX512-BF16 dot products where the CPU has them): norms,
-    attention, the KV cache and the sums stay float32. A model with `kernel_forward`
-    (LlamaForCausalLM) then runs its whole cached step in one call (`cpu_forward`).
-    `quantization="int8"` (kernel only) packs every linear's weight as int8 with one scale per
-    output column."""
-    w = model_tensor(model)
-    check_quantization(quantization)
-    if w.device.type != "cpu":
-        if quantization is not None:
-            raise ValueError(f"quantization={quantization!r} runs in the CPU kernel only; on "
-                             f"{w.device.type} load the model unquantized (quantization=None)")
-        return model
-    lib = (load_library() if cpu_kernel and w.dtype in (torch.float32, torch.bfloat16)
-           else None)
-    if quantization is not None and lib is None:
-        raise ValueError(f"quantization={quantization!r} needs the CPU kernel (cpu_kernel=True, "
-                         "dtype float32 or bfloat16, and a C compiler with OpenMP); the PyTorch "
-                         "path multiplies unquantized weights only")
-    bf16_inputs = lib is not None and w.dtype == torch.bfloat16 and quantization is None
-    if lib is None and not _onednn_linear_available(w.dtype):
-        return model
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                # packed one at a time, from the weights as loaded: no float32 copy of the
-                # whole model is ever held beside the packed one
-                setattr(module, name, DecodeLinear(child, lib, bf16_inputs, quantization))
-    if lib is not None:
-        model.float()          # what the kernel reads besides the packed weights is float32
-        for module in model.modules():
-            if hasattr(module, "cpu_layer") and CpuLayer.supports(module):
-                module.cpu_layer = CpuLayer(module, lib)
-            elif isinstance(module, RMSNorm) and module.weight.is_contiguous():
-                module.lib = lib
-        for module in model.modules():
-            if hasattr(module, "kernel_forward"):
-                module.cpu_forward = module.kernel_forward()
-    return model
-
-
-def _onednn_linear_available(dtype: torch.dtype) -> bool:
-    try:
-        ops = (torch.ops.mkldnn._linear_pointwise, torch.ops.mkldnn._reorder_linear_weight)
-        if not torch.backends.mkldnn.is_available() or any(op is None for op in ops):
-            return False
-        if dtype == torch.bfloat16:
-            return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return dtype == torch.float32
-    except (AttributeError, RuntimeError):
-        return False
-

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specserve.kernels.cpu import LlamaChain, LlamaForward, SharedMemoryAllReduce, kernel_step
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -107,16 +106,18 @@ class LlamaArgs:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    """Pre-norm attention and MLP, each added to the residual stream. `attn_in_dim`: the
+    attention's input width where a subclass feeds it something other than the normed stream
+    (EAGLE-3's 2H-wide pair)."""
+
+    def __init__(self, a: LlamaArgs, attn_in_dim: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Attention(a.hidden_size, a.num_attention_heads, a.num_key_value_heads,
-                                   a.head_dim, a.attention_bias, a.qk_norm, a.rms_norm_eps)
+                                   a.head_dim, a.attention_bias, a.qk_norm, a.rms_norm_eps,
+                                   in_dim=attn_in_dim)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.mlp = MLP(a.hidden_size, a.intermediate_size)
-        # Set by use_decode_linears on float32 CPU inference models: runs cached steps of up
-        # to max_rows(lib) rows in compiled code (kernels/cpu).
-        self.cpu_layer = None
         # Set when this layer holds one rank's shard (models/tensor_parallel.py): the
         # attention and MLP outputs are partial sums, which all_reduce(t) completes in place.
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
@@ -124,9 +125,16 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 md: AttentionMetadata | None, cache, mask: torch.Tensor | None = None
                 ) -> torch.Tensor:
-        if self.cpu_layer is not None and kernel_step(md, x, self.cpu_layer.lib):
-            return self.cpu_layer(x, cos_sin, md, cache, reduce=self.all_reduce)
-        x = x + self._reduced(self.self_attn(self.input_layernorm(x), cos_sin, md, cache, mask))
+        return self.step(x, cos_sin, md, cache, mask)
+
+    def step(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+             md: AttentionMetadata | None, cache, mask: torch.Tensor | None = None,
+             attn_in: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream x [..., H] through the layer; the attention reads `attn_in`
+        when given, else input_layernorm(x). (The backend's variant runs it in compiled
+        code.)"""
+        a = self.input_layernorm(x) if attn_in is None else attn_in
+        x = x + self._reduced(self.self_attn(a, cos_sin, md, cache, mask))
         return x + self._reduced(self.mlp(self.post_attention_layernorm(x)))
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
@@ -149,20 +157,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(args.head_dim, max_len or args.max_position_embeddings,
                              args.rope_theta, args.rope_scaling)
-        self.cpu_forward = None         # see kernel_forward
         self.tp_size = 1                # ranks its layers are sharded over (tensor_parallel)
-
-    def kernel_forward(self) -> LlamaForward | None:
-        """The whole cached step in compiled code, for use_decode_linears to set as
-        `cpu_forward` once every layer has its CpuLayer; None where one lacks it."""
-        layers = [layer.cpu_layer for layer in self.layers]
-        reduce = self.layers[0].all_reduce
-        if (None in layers or self.norm.lib is None
-                # a shard sums in the call only through shared memory; gloo's: layer by layer
-                or (reduce is not None and not isinstance(reduce, SharedMemoryAllReduce))):
-            return None
-        return LlamaForward(layers, self.embed_tokens.weight, self.norm.weight, self.norm.eps,
-                            self.rotary.cos_sin, reduce)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: AttentionMetadata | None = None,
@@ -173,8 +168,6 @@ class LlamaForCausalLM(nn.Module):
         Returns the final (normed) hidden states [..., hidden_size]; with `aux_layers`, also
         the inputs of those layers concatenated [..., len(aux_layers) * hidden_size] (what
         EAGLE-3 heads read)."""
-        if self.cpu_forward is not None and kernel_step(md, input_ids, self.cpu_forward.lib):
-            return self.cpu_forward(input_ids, positions, md, kv_caches, aux_layers)
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.tables(positions, x.dtype)
         saved = {}
@@ -188,18 +181,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)                              # [..., vocab_size]
-
-    def kernel_chain(self, caches: list[tuple[torch.Tensor, torch.Tensor]]) -> LlamaChain | None:
-        """Greedy chain drafting in compiled code with KV caches `caches` (a draft model on the
-        CPU kernel), or None (then the proposer runs the PyTorch loop)."""
-        packed = getattr(self.lm_head, "kernel_weight", None)
-        layers = [layer.cpu_layer for layer in self.layers]
-        if (packed is None or None in layers or self.norm.lib is None or self.tp_size > 1
-                or len({self.norm.eps, *(x.post_attention_layernorm.eps for x in self.layers)})
-                != 1):
-            return None
-        return LlamaChain(layers, self.embed_tokens.weight, self.norm.weight, packed,
-                          self.args.vocab_size, self.rotary.cos_sin, caches)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from specserve.config import resolve_device
 from specserve.data.corpus import Corpus, encode_files
-from specserve.models.layers import use_decode_linears
+from specserve.models.cpu_backend import use_decode_linears
 from specserve.models.llama import LlamaArgs, LlamaForCausalLM
 from specserve.models.loader import load_model, save_model
 from specserve.train.bpe import EOS, save_tokenizer, train_bpe

@@ -21,6 +21,7 @@ from specserve.kernels.cpu import (
     max_rows,
     shm_numel,
 )
+from specserve.models.cpu_backend import KernelLayer
 from specserve.models.metadata import build_metadata
 from tests.test_spec_decode import _greedy, repetitive_prompts
 from tests.train.conftest import REPO
@@ -49,7 +50,7 @@ def test_two_ranks_give_one_ranks_logits_for_every_architecture(hf_model):
     llm = LLM(str(path), device="cpu", tensor_parallel_size=TP)
     if load_library() is not None:      # each layer's halves in the kernel, summed in memory
         layer = llm.engine.model.layers[0]
-        assert layer.cpu_layer is not None
+        assert isinstance(layer, KernelLayer) and layer.cpu_layer is not None
         assert isinstance(layer.all_reduce, SharedMemoryAllReduce)
     got = _logprobs(llm, ps)
     llm.engine.close()
@@ -110,7 +111,7 @@ def test_without_the_kernel_the_ranks_sum_over_gloo(llama_dir):
         ps, _greedy(20), use_tqdm=False)]
     llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=TP, cpu_kernel=False)
     layer = llm.engine.model.layers[0]
-    assert layer.cpu_layer is None and not isinstance(layer.all_reduce, SharedMemoryAllReduce)
+    assert not isinstance(layer, KernelLayer) and not isinstance(layer.all_reduce, SharedMemoryAllReduce)
     assert [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(20), use_tqdm=False)] == ref
     llm.engine.close()
 

@@ -12,7 +12,7 @@ from specserve.config import SpeculativeConfig
 from specserve.engine.engine import make_kv_cache
 from specserve.methods import resolve_speculative_config
 from specserve.methods.base import Proposal, ProposerBase
-from specserve.models.layers import use_decode_linears
+from specserve.models.cpu_backend import use_decode_linears
 from specserve.models.loader import load_model
 from specserve.models.metadata import build_metadata, build_tree_metadata, tree_rows
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from specserve.kernels.cpu import linear_rows, load_library, pack_weight
 from specserve.kv_cache import KVCache
-from specserve.models.layers import use_decode_linears
+from specserve.models.cpu_backend import KernelLayer, llama_forward, use_decode_linears
 from specserve.models.loader import load_model
 from specserve.models.metadata import build_metadata
 
@@ -80,7 +80,8 @@ def test_linear_rows_with_bfloat16_inputs_sums_their_exact_products():
 
 
 def _uses_kernel(model) -> bool:
-    return all(layer.cpu_layer is not None for layer in model.layers)
+    return all(isinstance(layer, KernelLayer) and layer.cpu_layer is not None
+               for layer in model.layers)
 
 
 def _stepper(path, slots: int = 4, kv_dtype: torch.dtype = torch.float32):
@@ -211,7 +212,7 @@ def test_a_shards_one_call_forward_sums_its_halves_as_the_layer_path_does(hf_mod
         reduce = SharedMemoryAllReduce(load_library(), shm, 0, 1, 4096, lambda: None)
         for layer in model.layers:
             layer.all_reduce = None if mode == "whole layers" else reduce
-        model.cpu_forward = model.kernel_forward() if mode == "one call" else None
+        model.cpu_forward = llama_forward(model) if mode == "one call" else None
         res = [_step(model, cache, prompts, [0, 0], [0, 1]),
                _step(model, cache, [[5, 6], [8]], [11, 7], [0, 1])]
         outs.append(res + [k[:2, :, :13].clone() for k, _ in cache.layers])
@@ -268,7 +269,7 @@ def test_without_a_compiler_it_warns_and_the_pytorch_path_runs(monkeypatch, tmp_
     monkeypatch.setenv("CFLAGS", "--no-such-flag")      # CFLAGS reach the compiler
     with pytest.warns(RuntimeWarning, match="could not be built"):
         assert load_library.__wrapped__() is None
-    monkeypatch.setattr("specserve.models.layers.load_library", load_library.__wrapped__)
+    monkeypatch.setattr("specserve.models.cpu_backend.load_library", load_library.__wrapped__)
     with pytest.warns(RuntimeWarning):
         model = use_decode_linears(load_model(llama_dir, torch.float32, torch.device("cpu")))
     assert not _uses_kernel(model) and model.lm_head.lib is None

@@ -7,7 +7,7 @@ import torch
 
 from specserve.kernels.cpu import load_library
 from specserve.kv_cache import KVCache
-from specserve.models.layers import use_decode_linears
+from specserve.models.cpu_backend import use_decode_linears
 from specserve.models.loader import load_model
 from specserve.models.metadata import build_metadata
 from tests.conftest import DEVICE
@@ -106,7 +106,7 @@ def test_half_precision_dtypes_track_float32(llama_dir):
 def test_decode_linear_matches_linear():
     import torch as t
 
-    from specserve.models.layers import DecodeLinear, use_decode_linears
+    from specserve.models.cpu_backend import DecodeLinear, use_decode_linears
     libs = [None] + ([load_library()] if load_library() is not None else [])
     for bias, lib in ((b, lib) for b in (False, True) for lib in libs):
         lin = t.nn.Linear(24, 40, bias=bias)
@@ -129,7 +129,7 @@ def test_decode_linear_matches_linear():
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
                     reason="this CPU has no native bfloat16: bfloat16 keeps nn.Linear")
 def test_bfloat16_decode_linear_matches_linear():
-    from specserve.models.layers import DecodeLinear
+    from specserve.models.cpu_backend import DecodeLinear
     for bias in (False, True):
         lin = torch.nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
         dl = DecodeLinear(lin)
@@ -140,7 +140,7 @@ def test_bfloat16_decode_linear_matches_linear():
 
 def test_engine_model_uses_packed_weights_and_matches_transformers(hf_model):
     from specserve import LLM, SamplingParams, TokensPrompt
-    from specserve.models.layers import DecodeLinear
+    from specserve.models.cpu_backend import DecodeLinear
     _, path, hf = hf_model
     llm = LLM(str(path), device=DEVICE)
     if DEVICE == "cpu":

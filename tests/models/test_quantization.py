@@ -17,7 +17,7 @@ import torch
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.kernels.cpu import linear_rows, load_library, pack_weight, quantize_int8
 from specserve.kv_cache import KVCache
-from specserve.models.layers import DecodeLinear, use_decode_linears
+from specserve.models.cpu_backend import DecodeLinear, use_decode_linears
 from specserve.models.loader import load_model
 from tests.methods.test_heads import eagle3_ckpt
 from tests.models.test_cpu_kernel import _step
