@@ -227,6 +227,13 @@ def test_a_run_writes_its_json_table_and_plot_to_runs_and_publishes_on_request(t
     assert "`specserve bench latency x`" in line and "completion, batch 1: fast 2.00x" in line
     table = report.readme_table(data)
     assert "| fast | 2.00x | 2.00x | 2.00x / 2.00x | 2.00x | 2.00x |" in table
+    # one row per method, at its fastest K (the other Ks stay in latency.md)
+    for rows in data["suites"].values():
+        rows += [dict(rows[1], name="specserve fast+k=8 (K=8)", median_tokens_per_s=150.0),
+                 dict(rows[1], name="specserve slow+k=2 (K=2)", median_tokens_per_s=90.0),
+                 dict(rows[1], name="specserve slow (K=4)", median_tokens_per_s=80.0)]
+    methods = [line.split(" | ")[0] for line in report.readme_table(data).splitlines()[4:]]
+    assert methods == ["| fast", "| slow+k=2 (K=2)"]
 
 
 def test_gpu_and_built_target_runs_publish_beside_the_cpu_run(tmp_path, monkeypatch):

@@ -376,7 +376,8 @@ class HeadChain(_Chain):
     """The chain of a head that drafts from its own state (`specserve_head_chain`): EAGLE-1
     (fc with bias, no norms), EAGLE-3 (no fc: the normed halves are its layer's attention
     input; a draft vocabulary with d2t), MTP (fc with enorm and hnorm, a final norm); built by
-    their `kernel_chain`. Weights `fc` and `lm_head` are packed (`pack_weight`)."""
+    `compiled_chain` (models/cpu_backend.py). Weights `fc` and `lm_head` are packed
+    (`pack_weight`)."""
 
     def __init__(self, layer: CpuLayer, embed: torch.Tensor, e_norm: torch.Tensor | None,
                  h_norm: torch.Tensor | None, fc: torch.Tensor | None,
@@ -455,7 +456,7 @@ class _LayerArrays:
 
 class LlamaChain(_Chain):
     """A draft model's chain (`specserve_llama_chain`); built by
-    `LlamaForCausalLM.kernel_chain`."""
+    `compiled_chain` (models/cpu_backend.py)."""
 
     def __init__(self, layers: list[CpuLayer], embed: torch.Tensor, final_norm: torch.Tensor,
                  lm_head: torch.Tensor, vocab: int, cos_sin: torch.Tensor,
