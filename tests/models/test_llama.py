@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from specserve.kernels.cpu import load_library
 from specserve.kv_cache import KVCache
 from specserve.models.cpu_backend import use_decode_linears
 from specserve.models.loader import load_model
@@ -101,41 +99,6 @@ def test_half_precision_dtypes_track_float32(llama_dir):
         with t.inference_mode():
             out = m.compute_logits(m(t.tensor(ids), pos, md, cache.layers)).float()
         assert out.dtype == t.float32 and (out - ref).abs().max() < 0.1 * ref.abs().max()
-
-
-def test_decode_linear_matches_linear():
-    import torch as t
-
-    from specserve.models.cpu_backend import DecodeLinear, use_decode_linears
-    libs = [None] + ([load_library()] if load_library() is not None else [])
-    for bias, lib in ((b, lib) for b in (False, True) for lib in libs):
-        lin = t.nn.Linear(24, 40, bias=bias)
-        dl = DecodeLinear(lin, lib)
-        # the kernel keeps only its packed copy; oneDNN the Parameter (ties stay tied)
-        assert dl.weight is (None if lib is not None else lin.weight)
-        for x in (t.randn(1, 24), t.randn(7, 24), t.randn(2, 5, 24), t.randn(6, 24)[::2],
-                  t.randn(600, 24), t.randn(2, 300, 24)):   # the last two: past max_rows
-            assert t.allclose(dl(x), lin(x), atol=1e-5)
-        x = t.randn(3, 24)
-        for first in (0, 17, 64):      # the columns past `first`, bit for bit, from any column
-            big = DecodeLinear(t.nn.Linear(24, 200, bias=bias), lib)
-            assert t.equal(big.forward_from(x, first), big(x)[:, first:])
-    seq = use_decode_linears(t.nn.Sequential(t.nn.Linear(4, 4), t.nn.ReLU(), t.nn.Linear(4, 2)))
-    assert [type(m).__name__ for m in seq] == ["DecodeLinear", "ReLU", "DecodeLinear"]
-    half = use_decode_linears(t.nn.Sequential(t.nn.Linear(4, 4)).half())
-    assert type(half[0]).__name__ == "Linear"                # no packed float16 kernel
-
-
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="this CPU has no native bfloat16: bfloat16 keeps nn.Linear")
-def test_bfloat16_decode_linear_matches_linear():
-    from specserve.models.cpu_backend import DecodeLinear
-    for bias in (False, True):
-        lin = torch.nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
-        dl = DecodeLinear(lin)
-        for x in (torch.randn(1, 64), torch.randn(5, 64), torch.randn(2, 7, 64)):
-            x = x.to(torch.bfloat16)
-            torch.testing.assert_close(dl(x).float(), lin(x).float(), atol=2e-2, rtol=2e-2)
 
 
 def test_engine_model_uses_packed_weights_and_matches_transformers(hf_model):
