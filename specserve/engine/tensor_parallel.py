@@ -166,6 +166,14 @@ def _serve(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[]
             model, cache = models[msg["model"]]
             ids, positions, md = step_inputs(msg, torch.device("cpu"))
             model(ids, positions, md, cache.layers)
+    _shutdown(link)
+
+
+def _shutdown(link: _Link) -> None:
+    """Join the group's threads now: left to the interpreter's exit, gloo's could be torn down
+    while still running (the process then aborts)."""
+    with contextlib.suppress(RuntimeError):
+        link.group.shutdown()
 
 
 def _receive(link: _Link) -> bytes:
@@ -195,6 +203,8 @@ def _stop(links: list[_Link], workers: list) -> None:
         if w.is_alive():
             w.kill()
             w.join()
+    for link in links:
+        _shutdown(link)
 
 
 class WorkerDied(RuntimeError):
