@@ -167,6 +167,7 @@ def _serve(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[]
             ids, positions, md = step_inputs(msg, torch.device("cpu"))
             model(ids, positions, md, cache.layers)
     _shutdown(link)
+    store.set(f"stopped{rank}", "1")
 
 
 def _shutdown(link: _Link) -> None:
@@ -188,8 +189,9 @@ def _receive(link: _Link) -> bytes:
     return data.numpy().tobytes()
 
 
-def _stop(links: list[_Link], workers: list) -> None:
-    """Tell live workers to stop (an empty step, once they are linked), then reap them."""
+def _stop(links: list[_Link], workers: list, store: dist.Store, size: int) -> None:
+    """Tell live workers to stop (an empty step, once they are linked), then reap them (or,
+    those a launcher started, wait until they have left the group), then leave it."""
     if links and all(w.is_alive() for w in workers):
         try:
             if links[0].channel is not None:
@@ -203,6 +205,9 @@ def _stop(links: list[_Link], workers: list) -> None:
         if w.is_alive():
             w.kill()
             w.join()
+    if links and not workers:
+        with contextlib.suppress(RuntimeError):   # a rank that died does not hold us up
+            store.wait([f"stopped{r}" for r in range(1, size)], datetime.timedelta(seconds=10))
     for link in links:
         _shutdown(link)
 
@@ -267,7 +272,8 @@ class TensorParallel:
                             for rank in range(1, size)]
             for w in self.workers:
                 w.start()
-        self._stopper = weakref.finalize(self, _stop, self._links, self.workers)
+        self._stopper = weakref.finalize(self, _stop, self._links, self.workers, self.store,
+                                         size)
 
     def load(self) -> torch.nn.Module:
         """Rank 0's shard; returns once every worker has loaded and sharded its own."""

@@ -32,9 +32,12 @@ from specserve.train.trainer import LossFn, TrainConfig, _positions
 
 
 def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_id: int,
-              kd_alpha: float) -> LossFn:
+              kd_alpha: float, depth_gamma: float | None = None) -> LossFn:
     """kd_alpha * KL(target || draft) + (1 - kd_alpha) * CE over the real rows and the k-1 mask
-    copies of a batch [B, L + 1]; copy c's first c rows have no real context and are skipped."""
+    copies of a batch [B, L + 1]; copy c's first c rows have no real context and are skipped.
+    With `depth_gamma`, copy c's rows weigh exp(-c / depth_gamma) (as DFlash weighs its block
+    positions): a small draft spends its capacity on the drafts that are accepted; PARD's own
+    recipe weighs all copies alike."""
     layouts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}   # per length
 
     def layout(L: int, device: torch.device):
@@ -42,13 +45,16 @@ def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_i
         if L not in layouts:
             j, c = torch.arange(L, device=device), torch.arange(k, device=device)
             valid = j[None, :] >= c[:, None]
-            layouts[L] = pard_mask(L, k, device), valid, c[:, None].expand(k, L)[valid]
+            copy = c[:, None].expand(k, L)[valid]
+            w = (torch.ones(len(copy), device=device) if depth_gamma is None
+                 else torch.exp(-copy.float() / depth_gamma))
+            layouts[L] = pard_mask(L, k, device), valid, copy, w / w.sum()
         return layouts[L]
 
     def fn(xy: torch.Tensor):
         x, y = xy[:, :-1], xy[:, 1:]                                      # [B, L]
         B, L = x.shape
-        mask, valid, copy = layout(L, x.device)
+        mask, valid, copy, w = layout(L, x.device)                       # w: [n], sums to 1
         inputs = torch.cat([x, x.new_full((B, (k - 1) * L), mask_id)], 1)   # [B, k * L]
         positions = _positions(x).repeat(1, k)
         logits = model.compute_logits(model(inputs, positions, mask=mask)).float()
@@ -56,12 +62,12 @@ def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_i
         labels = y[:, None, :].expand(B, k, L)[:, valid]                   # [B, n]
         logp = F.log_softmax(rows, -1)
         nll = -logp.gather(-1, labels[..., None]).squeeze(-1)              # [B, n]
-        ce = nll.mean()
+        ce = (nll * w).sum() / B
         with torch.no_grad():
             t_logp = F.log_softmax(teacher.compute_logits(teacher(x, _positions(x))).float(), -1)
         t_rows = t_logp[:, None].expand(B, k, L, -1)[:, valid]             # [B, n, V]
-        kl = F.kl_div(logp.flatten(0, 1), t_rows.flatten(0, 1), log_target=True,
-                      reduction="batchmean")
+        kl_rows = F.kl_div(logp, t_rows, log_target=True, reduction="none").sum(-1)  # [B, n]
+        kl = (kl_rows * w).sum() / B
         return kd_alpha * kl + (1 - kd_alpha) * ce, {
             "loss": ce.item(), "kl": kl.item(), "ce_copy0": nll[:, copy == 0].mean().item(),
             "ce_last": nll[:, copy == k - 1].mean().item()}
@@ -69,7 +75,8 @@ def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_i
 
 
 def train_pard(cfg: TrainConfig, draft_dir: Path, target_dir: Path, out: Path, k: int = 8,
-               corpus: Corpus | None = None, gen: GeneratedData | None = None) -> float:
+               corpus: Corpus | None = None, gen: GeneratedData | None = None,
+               depth_gamma: float | None = None) -> float:
     """Adapt the draft in `draft_dir` to draft k tokens per pass; writes a PARD draft to `out`
     (config.json with `pard_token`) and returns its validation bits per byte (as an ordinary
     LM; NaN when stopped on the time limit)."""
@@ -93,7 +100,8 @@ def train_pard(cfg: TrainConfig, draft_dir: Path, target_dir: Path, out: Path, k
     print(f"pard: {model.num_parameters() / 1e6:.2f}M-parameter draft, K = {k}, mask token "
           f"{mask_id}", flush=True)
     bpb = train_and_export(model, train_ids, (val_ids, val_bytes), cfg, device,
-                           pard_loss(model, teacher, k, mask_id, cfg.kd_alpha), target_dir, out)
+                           pard_loss(model, teacher, k, mask_id, cfg.kd_alpha, depth_gamma),
+                           target_dir, out)
     if bpb != bpb:
         return bpb
     config = json.loads((out / "config.json").read_text())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import time
 
 import openai
@@ -203,7 +204,8 @@ def test_ranks_that_torchrun_starts_serve_rank_0s_engine(llama_dir, tmp_path):
     """))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                         "--master-port", str(_free_port()), str(script)],
-                       capture_output=True, text=True, timeout=300)
+                       capture_output=True, text=True, timeout=300,
+                       env=os.environ | {"PYTHONFAULTHANDLER": "1"})   # a crash shows where
     assert r.returncode == 0, r.stderr[-3000:]
     ref = LLM(str(llama_dir), device="cpu").generate(
         [TokensPrompt(prompt_token_ids=[5, 6, 7])], _greedy(12), use_tqdm=False)
