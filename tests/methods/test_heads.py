@@ -209,55 +209,6 @@ def test_heads_catch_up_after_speculation_was_off(heads, llama_dir, monkeypatch)
     assert drafts[4] == drafts[1] and drafts[256] == drafts[1]
 
 
-def test_mtp_is_lossless_and_loads_from_the_target(tmp_path, llama_dir):
-    target = mtp_target(tmp_path / "mtp")
-    ps = _prompts(4, seed=8)
-    ref = [o.outputs[0].token_ids for o in LLM(str(target), device=DEVICE).generate(
-        ps, GREEDY, use_tqdm=False)]
-    llm = LLM(str(target), device=DEVICE, speculative_config={"method": "mtp",
-                                                               "num_speculative_tokens": 2})
-    got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
-    assert got == ref and llm.get_stats()["spec_decode_num_drafts"] > 0
-    with pytest.raises(ValueError, match="num_nextn_predict_layers is 0 or missing"):
-        LLM(str(llama_dir), device=DEVICE, speculative_config={"method": "mtp",
-                                                                "num_speculative_tokens": 2})
-
-
-@pytest.mark.parametrize("spec", [{"num_speculative_tokens": 2}, {"num_speculative_tokens": 4},
-                                  {"speculative_token_tree": "[(0,), (1,), (0, 0), (0, 0, 0)]"}])
-def test_mtp_with_several_layers_uses_them_in_turn(tmp_path, spec):
-    """Two MTP layers: K defaults to 2, step i runs layer i mod 2 with its own KV cache (K = 4
-    cycles them; a tree runs one per level), and the output is the target's."""
-    from specserve.methods.mtp import MTPStack
-    target = mtp_target(tmp_path / "mtp2", layers=2)
-    ps = _prompts(4, seed=8)
-    ref = [o.outputs[0].token_ids for o in LLM(str(target), device=DEVICE).generate(
-        ps, GREEDY, use_tqdm=False)]
-    llm = LLM(str(target), device=DEVICE, speculative_config={"method": "mtp"} | spec)
-    proposer = llm.engine.proposer
-    assert isinstance(proposer.head, MTPStack) and len(proposer.cache.layers) == 2
-    if "num_speculative_tokens" not in spec:
-        assert llm.engine.spec.num_speculative_tokens == 4          # the tree's nodes
-    calls = [0, 0]
-    for i, layer in enumerate(proposer.head.layers):
-        layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-    got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
-    assert got == ref and llm.get_stats()["spec_decode_num_drafts"] > 0
-    assert calls[0] > 0 and calls[1] > 0
-    eh = [layer.eh_proj for layer in proposer.head.layers]
-    w0, w1 = (m.weight if m.weight is not None else m.kernel_weight for m in eh)  # packed: no .weight
-    assert w0.data_ptr() != w1.data_ptr()
-
-
-def test_mtp_default_k_is_its_layer_count_and_a_missing_layer_is_named(tmp_path):
-    target = mtp_target(tmp_path / "mtp2", layers=2)
-    assert LLM(str(target), device=DEVICE, speculative_config={
-        "method": "mtp"}).engine.spec.num_speculative_tokens == 2
-    short = mtp_target(tmp_path / "mtp-short", layers=1, declared=2)
-    with pytest.raises(ValueError, match=r"MTP layer model\.layers\.3\.\* that the checkpoint"):
-        LLM(str(short), device=DEVICE, speculative_config={"method": "mtp"})
-
-
 def test_head_acceptance_bookkeeping(tmp_path, llama_dir):
     """With every draft accepted (synthetic rate 1), tau is K + 1 for a head method too."""
     path = medusa_ckpt(tmp_path / "m")
