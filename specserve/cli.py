@@ -127,7 +127,8 @@ def cmd_train(args: argparse.Namespace) -> None:
                              "--target DIR (the target it drafts for)")
         bpb = train_pard(cfg, Path(args.draft), Path(args.target), Path(args.out),
                          k=args.num_speculative_tokens or 8,
-                         gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)))
+                         gen=GeneratedData(**dataclass_kwargs(args, GeneratedData)),
+                         depth_gamma=args.depth_gamma)
     elif args.kind == "lm":
         bpb = train_lm(cfg, shape, Path(args.out), vocab_size=args.vocab_size)
     elif args.kind == "unlikelihood":
@@ -242,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heads: train on the files speculative_config method "
                         "extract_hidden_states wrote to this directory (served traffic) instead "
                         "of corpus text; no target pass is run")
+    t.add_argument("--depth-gamma", type=float, default=None,
+                   help="pard: weigh the loss of the draft d tokens ahead by exp(-(d-1) / "
+                        "GAMMA) (as DFlash weighs its block), so that a small draft learns the "
+                        "drafts that get accepted first (default: all alike, PARD's recipe)")
     t.add_argument("--parallel", action="store_true",
                    help="eagle3: a P-EAGLE head, trained to draft all K tokens in one pass "
                         "(parallel_drafting); --init may name a chain head to start from")

@@ -36,3 +36,33 @@ def test_the_mask_token_is_an_id_the_text_never_holds():
     assert unused_token(np.array([0, 1, 2, 3, 4, 6, 6]), 10) == 5
     with pytest.raises(ValueError, match="no id is free"):
         unused_token(np.arange(10), 10)
+
+
+def test_depth_weights_count_each_copy_as_asked(tiny_lm):
+    """pard_loss weighs copy c's rows by exp(-c / depth_gamma): with a tiny gamma only the real
+    rows count, and the loss is the draft's plain distillation loss as an LM; without gamma
+    every row counts alike; with gamma 2 the copies' means mix in that proportion."""
+    import math
+
+    import torch
+
+    from specserve.models.loader import load_model
+    from specserve.train.pard import pard_loss
+    from specserve.train.trainer import lm_loss
+    target, _, _ = tiny_lm
+    draft = load_model(target, torch.float32, torch.device("cpu"))
+    teacher = load_model(target, torch.float32, torch.device("cpu"))
+    with torch.no_grad():                         # a draft that differs from its teacher
+        draft.lm_head.weight.mul_(1.5)
+    xy = torch.randint(3, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, _ = lm_loss(draft, teacher, kd_alpha=0.5)(xy)
+        first, _ = pard_loss(draft, teacher, 2, 399, 0.5, depth_gamma=1e-6)(xy)
+        even, _ = pard_loss(draft, teacher, 2, 399, 0.5)(xy)
+        decayed, _ = pard_loss(draft, teacher, 2, 399, 0.5, depth_gamma=2.0)(xy)
+    torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-5)
+    n0, n1 = 16, 15                               # real rows; the mask copy skips its first
+    second = ((n0 + n1) * even - n0 * first) / n1                 # the mask copy's mean
+    w1 = math.exp(-1 / 2.0)
+    torch.testing.assert_close(decayed, (n0 * first + n1 * w1 * second) / (n0 + n1 * w1))
+    assert abs(float(second - first)) > 1e-3      # the copies differ: the weights matter
