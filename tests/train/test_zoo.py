@@ -75,7 +75,7 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(zoo, "train_draft", lambda *a, **k: 1.0)
     pard = []
     monkeypatch.setattr(zoo, "train_pard", lambda cfg, draft, target, out, **k: pard.append(
-        (draft.name, target.name, out.name, k["k"])) or 1.0)
+        (draft.name, target.name, out.name, k["k"], k["depth_gamma"])) or 1.0)
     calls, refreshed = [], []
 
     def heads(outs, cfg, *a, **k):
@@ -94,7 +94,8 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
         (s.refresh_vocab, s.lr, s.seed, s.top1_weight) for s in zoo.RETARGET_EAGLE3_MORE]
     out = capsys.readouterr().out
     assert "past" in out and "tau 2.00" in out
-    assert pard == [("code-draft", "code-target", "code-draft-pard", zoo.PARD_K)] * len(
+    assert pard == [("code-draft", "code-target", "code-draft-pard", zoo.PARD_K,
+                     zoo.PARD_DEPTH_GAMMA)] * len(
         zoo.PARD_STAGES)
 
 
