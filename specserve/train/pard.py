@@ -38,10 +38,11 @@ def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_i
     With `depth_gamma`, copy c's rows weigh exp(-c / depth_gamma) (as DFlash weighs its block
     positions): a small draft spends its capacity on the drafts that are accepted; PARD's own
     recipe weighs all copies alike."""
-    layouts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}   # per length
+    layouts: dict[int, tuple[torch.Tensor, ...]] = {}          # per length: see layout()
 
     def layout(L: int, device: torch.device):
-        """The attention mask, which rows count ([k, L] bool) and the copy of each counted row."""
+        """The attention mask, which rows count ([k, L] bool), the copy of each counted row
+        [n] and its weight [n] (summing to 1)."""
         if L not in layouts:
             j, c = torch.arange(L, device=device), torch.arange(k, device=device)
             valid = j[None, :] >= c[:, None]
