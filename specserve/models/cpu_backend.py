@@ -140,7 +140,8 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
     if lib is not None:
         model.float()          # what the kernel reads besides the packed weights is float32
         for module in model.modules():
-            if isinstance(module, DecoderLayer) and CpuLayer.supports(module):
+            if (isinstance(module, DecoderLayer) and not isinstance(module, KernelLayer)
+                    and CpuLayer.supports(module)):
                 module.__class__ = _kernel_layer_class(type(module))
                 module.cpu_layer = CpuLayer(module, lib)
             elif type(module) is RMSNorm and module.weight.is_contiguous():

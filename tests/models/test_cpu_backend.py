@@ -64,6 +64,9 @@ def test_a_model_becomes_its_kernel_variants_in_place_with_its_parameter_names(l
     assert all(type(layer) is KernelLayer for layer in model.layers)
     assert isinstance(model.norm, KernelRMSNorm) and model.cpu_forward is not None
     assert [n for n, _ in model.named_parameters()] == names    # packed weights: not params
+    layer = model.layers[0]
+    assert use_decode_linears(model) is model and model.layers[0] is layer    # once is enough
+    assert type(layer) is KernelLayer
     a = model.args
     caches = [(torch.zeros(2, a.num_key_value_heads, 32, a.head_dim),) * 2
               for _ in range(a.num_hidden_layers)]
