@@ -69,7 +69,9 @@ def test_a_padded_model_reads_more_bytes_and_keeps_its_function_and_heads(tmp_pa
     (tmp_path / "m-mtp" / "config.json").write_text("{}")
     spec = f"padded:{src},inter=512"
     path = random_models.padded(spec, root=tmp_path / "out")
-    assert random_models.padded(spec, root=tmp_path / "out") == path          # cached
+    built = (tmp_path / "out" / "m-inter512" / "model.safetensors").stat().st_mtime_ns
+    assert random_models.padded(spec, root=tmp_path / "out") == path
+    assert (tmp_path / "out" / "m-inter512" / "model.safetensors").stat().st_mtime_ns == built
     assert json.loads((tmp_path / "out" / "m-inter512" / "config.json").read_text())[
         "intermediate_size"] == 512
     assert (tmp_path / "out" / "m-inter512-eagle3").resolve() == tmp_path / "m-eagle3"

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from specserve import methods
 from specserve.data.zoo import head_dir
 from specserve.methods.parallel import NUM_SPECIAL_TOKENS
 from specserve.models.llama import LlamaArgs
-from specserve.models.loader import load_model
+from specserve.models.loader import load_model, read_state_dict
 
 PREFIX = "random:"
 PADDED = "padded:"
@@ -172,9 +172,7 @@ def padded(spec: str, root: str | Path = "runs/padded", seed: int = 0) -> str:
     if not (out / "model.safetensors").is_file():
         out.mkdir(parents=True, exist_ok=True)
         g = torch.Generator().manual_seed(seed)
-        tensors = {}
-        for f in sorted(src.glob("*.safetensors")):
-            tensors |= load_file(str(f))
+        tensors = read_state_dict(src)
         for key, t in list(tensors.items()):
             if key.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):    # [I, H]
                 extra = torch.randn(inter - t.shape[0], t.shape[1], generator=g) * 0.02

@@ -45,10 +45,9 @@ def publish_run(data: dict) -> str:
     device = torch.device(s.get("device", "cpu")).type
     name = data["benchmark"] + ("" if device == "cpu" else f"-{device}")
     target = s.get("target", "")
-    if target.startswith("random:"):
-        name += "-" + re.sub(r"[^A-Za-z0-9]+", "-", target.removeprefix("random:"))
-    elif target.startswith("padded:"):
-        name += "-" + re.sub(r"[^A-Za-z0-9]+", "-", target.replace("models/", "")).strip("-")
+    if target.startswith(("random:", "padded:")):
+        built = target.removeprefix("random:").replace("models/", "")
+        name += "-" + re.sub(r"[^A-Za-z0-9]+", "-", built).strip("-")
     path = _write(data, LATEST, name)["json"]
     with HISTORY.open("a") as f:
         f.write(history_line(data) + "\n")

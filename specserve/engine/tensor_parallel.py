@@ -205,7 +205,7 @@ def _stop(links: list[_Link], workers: list, store: dist.Store, size: int) -> No
         if w.is_alive():
             w.kill()
             w.join()
-    if links and not workers:
+    if links and not workers:                     # ranks a launcher started: none to reap
         with contextlib.suppress(RuntimeError):   # a rank that died does not hold us up
             store.wait([f"stopped{r}" for r in range(1, size)], datetime.timedelta(seconds=10))
     for link in links:

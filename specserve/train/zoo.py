@@ -189,8 +189,8 @@ def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
 
 # The bundled draft adapted to parallel drafting (PARD): stages of (schedule length, generated
 # text) as DRAFT_STAGES, at half the draft's learning rate, from models/code-draft. K = 4 with
-# depth weights (gamma 2): at K = 8 with PARD's equal weights this 2.4M draft's later copies
-# took its capacity (second draft accepted 20% of the time, not 26%; the first fell to 58%).
+# depth weights (gamma 2): with PARD's equal weights over K = 8 copies this 2.4M draft spent
+# its capacity on drafts that are never accepted, and drafted its first and second worse.
 PARD_STAGES: list[tuple[int, GeneratedData]] = [(600, GREEDY), (1800, GREEDY)]
 PARD_K = 4
 PARD_DEPTH_GAMMA = 2.0
