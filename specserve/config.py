@@ -171,8 +171,8 @@ class SpeculativeConfig:
         "help": "suffix: stop drafting below this running probability"})
     draft_tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks of the drafter: 1 (it runs on rank 0 beside the sharded target, vLLM's "
-                "advice) or the target's tensor_parallel_size (a draft model sharded like the "
-                "target; heads run on rank 0)"})
+                "advice) or the target's tensor_parallel_size (a draft model, or an eagle, "
+                "eagle3 or mtp head's decoder layers, sharded like the target)"})
     quantization: str | None = field(default=None, metadata={
         "help": "int8: the drafter's weights quantized at load, as the target's `quantization` "
                 "(default: unquantized, whatever the target's)"})

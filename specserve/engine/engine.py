@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from specserve import methods
 from specserve.config import EngineConfig, resolve_device, resolve_dtype
 from specserve.engine.adaptive_k import AdaptiveK
 from specserve.engine.request import Request, RequestStatus
@@ -93,7 +94,12 @@ class LLMEngine:
                 backend=dataclasses.replace(self.backend, quantization=self.spec.quantization),
                 load_sharded=(functools.partial(self.tp.add, "draft",
                                                 quantization=self.spec.quantization)
-                              if self.spec.draft_tensor_parallel_size > 1 else None)))
+                              if self.spec.draft_tensor_parallel_size > 1 else None),
+                shard_head=(functools.partial(self.tp.shard_head, "head",
+                                              backend=dataclasses.replace(
+                                                  self.backend,
+                                                  quantization=self.spec.quantization))
+                            if self.spec.draft_tensor_parallel_size > 1 else None)))
             self.draft_max_len = self._draft_max_len(self.spec.max_model_len,
                                                      self.proposer.max_model_len)
             caches += self.proposer.caches
@@ -126,11 +132,11 @@ class LLMEngine:
         if draft_size not in (1, size):
             raise ValueError(f"draft_tensor_parallel_size={draft_size} must be 1 or equal to "
                              f"tensor_parallel_size={size} (vLLM's rule)")
-        if draft_size > 1 and self.spec.method != "draft_model":
-            raise ValueError(f"draft_tensor_parallel_size={draft_size} shards draft models "
-                             f"(method 'draft_model') only; {self.spec.method!r} runs whole on "
-                             "rank 0 beside the sharded target (vLLM's advice for EAGLE "
-                             "drafters): use draft_tensor_parallel_size=1")
+        if draft_size > 1 and not methods.get(self.spec.method).shards:
+            raise ValueError(f"draft_tensor_parallel_size={draft_size} shards the drafters of "
+                             f"{', '.join(methods.sharded_methods())} only; "
+                             f"{self.spec.method!r} runs whole on rank 0 beside the sharded "
+                             "target: use draft_tensor_parallel_size=1")
         if size == 1:
             return None
         if self.device.type != "cpu":

@@ -21,6 +21,7 @@ garbage-collected or its process exits (they are daemons), and on Ctrl-C with it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import json
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 from specserve.config import resolve_dtype
 from specserve.kernels.cpu import (
@@ -42,10 +44,13 @@ from specserve.kernels.cpu import (
     load_library,
     shm_numel,
 )
+from specserve.kv_cache import KVCache
 from specserve.models.backend import Backend, make_kv_cache
+from specserve.models.layers import AttentionMetadata, model_tensor
+from specserve.models.llama import DecoderLayer, LlamaArgs
 from specserve.models.loader import load_model
-from specserve.models.metadata import step_inputs
-from specserve.models.tensor_parallel import gloo_all_reduce, shard
+from specserve.models.metadata import metadata_dict, metadata_from_dict, step_inputs
+from specserve.models.tensor_parallel import check_divisible, gloo_all_reduce, shard, shard_layer
 
 # Loading a large checkpoint on every rank can take minutes; a step never should.
 STARTUP_TIMEOUT_S = 600
@@ -152,6 +157,7 @@ def _serve(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[]
     model = _shard(a, rank, link, model, a.quantization)
     models = {TARGET: (model, make_kv_cache(model, a.num_slots, a.max_len,
                                             kv_cache_dtype=a.kv_cache_dtype))}
+    heads: dict[str, tuple[nn.ModuleList, KVCache]] = {}   # sharded layers of drafter heads
     link.group.allreduce([torch.zeros(1)]).wait()                # ready
     with torch.inference_mode():
         while data := _receive(link):
@@ -163,11 +169,71 @@ def _serve(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[]
                 models[m["name"]] = (model, make_kv_cache(model, a.num_slots, m["max_len"]))
                 link.group.allreduce([torch.zeros(1)]).wait()    # added
                 continue
+            if "add_layers" in msg:
+                heads[msg["add_layers"]["name"]] = _head_layers(a, rank, link,
+                                                                msg["add_layers"])
+                link.group.allreduce([torch.zeros(1)]).wait()    # added
+                continue
+            if "layer" in msg:
+                _layer_step(link, *heads[msg["model"]], msg)
+                continue
             model, cache = models[msg["model"]]
             ids, positions, md = step_inputs(msg, torch.device("cpu"))
             model(ids, positions, md, cache.layers)
     _shutdown(link)
     store.set(f"stopped{rank}", "1")
+
+
+def _layer_spec(layer: DecoderLayer, args: LlamaArgs) -> dict:
+    """What a worker needs to build a plain DecoderLayer of `layer`'s shape (a head's layer
+    may be a subclass: its extras run on rank 0)."""
+    at = layer.self_attn
+    return {"args": dataclasses.asdict(dataclasses.replace(
+                args, attention_bias=at.qkv_proj.bias is not None, qk_norm=at.q_norm is not None)),
+            "attn_in_dim": at.qkv_proj.in_features}
+
+
+def _plain_layer(spec: dict) -> DecoderLayer:
+    return DecoderLayer(LlamaArgs(**spec["args"]), attn_in_dim=spec["attn_in_dim"])
+
+
+def _sent_weights(layer: DecoderLayer) -> dict[str, torch.Tensor]:
+    """The weights of a head's layer that the workers' shards use: all but the input norm
+    (rank 0 sends the attention's input, `LeadLayer`)."""
+    return {k: t for k, t in layer.state_dict().items() if not k.startswith("input_layernorm.")}
+
+
+def _head_layers(a: WorkerArgs, rank: int, link: _Link, m: dict
+                 ) -> tuple[nn.ModuleList, KVCache]:
+    """A worker's shards of a drafter head's decoder layers (their weights broadcast by rank
+    0, `TensorParallel.shard_head`) and their KV cache."""
+    layers = nn.ModuleList(_plain_layer(spec) for spec in m["layers"])
+    with torch.no_grad():
+        for layer in layers:
+            for t in _sent_weights(layer).values():
+                link.group.broadcast(t, 0).wait()
+    for layer in layers:
+        shard_layer(layer, rank, a.size, link.all_reduce)
+    backend = Backend(torch.device("cpu"), resolve_dtype(a.dtype), a.cpu_kernel,
+                      quantization=m["quantization"])
+    layers = backend.prepare(layers)
+    at = layers[0].self_attn
+    return layers, KVCache(len(layers), a.num_slots, at.num_kv_heads, m["max_len"], at.head_dim,
+                           model_tensor(layers).dtype, torch.device("cpu"))
+
+
+def _layer_step(link: _Link, layers: nn.ModuleList, cache: KVCache, msg: dict) -> None:
+    """A worker's share of one step of a head's sharded layer: its inputs arrive through the
+    all-reduce (rank 0 posts them, the workers zeros: a sum that is a broadcast)."""
+    T, H, A, R = msg["rows"], msg["width"], msg["attn_in"], msg["rope"]
+    flat = torch.zeros(T * (H + A + 2 * R), dtype=getattr(torch, msg["dtype"]))
+    link.all_reduce(flat)
+    x, attn_in, cs = flat.split([T * H, T * A, T * 2 * R])
+    cs = cs.view(T, 2, R)
+    i = msg["layer"]
+    layers[i].step(x.view(T, H), (cs[:, 0:1], cs[:, 1:2]),
+                   metadata_from_dict(msg["md"], torch.device("cpu")), cache.layers[i],
+                   attn_in=attn_in.view(T, A))
 
 
 def _shutdown(link: _Link) -> None:
@@ -302,6 +368,50 @@ class TensorParallel:
         self._collective(lambda: link.group.allreduce([torch.zeros(1)]), f"loading {path}")
         return ShardedModel(model, self, name)
 
+    def shard_head(self, name: str, head: nn.Module, max_len: int,
+                   backend: Backend) -> nn.Module:
+        """`head` (in float32, as read) with its decoder layers sharded over every rank like
+        the target's (a draft head of draft_tensor_parallel_size > 1), and a KV cache of
+        `max_len` positions on each worker for them; embedding, norms, fc and lm_head stay
+        whole here. Returns it prepared by `backend`; each step of one of its layers first
+        sends the step and the layer's inputs to the workers."""
+        layers = [m for m in head.modules() if isinstance(m, DecoderLayer)]
+        # layer i is draft step i's (mod their number) and reads the head's KV cache layer i
+        assert len(layers) == head.num_step_layers, "one decoder layer per step layer"
+        check_divisible(head.args, self.args.size, "drafter's")
+        specs = [_layer_spec(layer, head.args) for layer in layers]
+        link = self._links[0]
+        self.send({"add_layers": {"name": name, "max_len": max_len, "layers": specs,
+                                  "quantization": backend.quantization}})
+        for layer, spec in zip(layers, specs):
+            state = layer.state_dict()
+            for k, t in _sent_weights(_plain_layer(spec)).items():
+                if state[k].shape != t.shape:
+                    raise ValueError(f"head layer {k}: {tuple(state[k].shape)} where its "
+                                     f"config makes {tuple(t.shape)}")
+                self._collective(lambda: link.group.broadcast(state[k].contiguous(), 0),
+                                 "sending the head's weights")
+        for layer in layers:
+            shard_layer(layer, 0, self.args.size, link.all_reduce)
+        head.tp_size = self.args.size
+        head = backend.prepare(head)
+        self._collective(lambda: link.group.allreduce([torch.zeros(1)]), "sharding the head")
+        for i, layer in enumerate(m for m in head.modules() if isinstance(m, DecoderLayer)):
+            layer.__class__ = _lead_class(type(layer))
+            layer.lead = functools.partial(self._lead_step, name, i)
+        return head
+
+    def _lead_step(self, name: str, layer: int, x: torch.Tensor, attn_in: torch.Tensor,
+                   cos_sin: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata) -> None:
+        """Send a step of a sharded head layer with its inputs (the stream x [T, H], the
+        attention's input [T, A], cos_sin: 2 x [T, 1, R]) to the workers."""
+        (T, H), A, R = x.shape, attn_in.shape[-1], cos_sin[0].shape[-1]
+        self.send({"model": name, "layer": layer, "rows": T, "width": H, "attn_in": A,
+                   "rope": R, "dtype": str(x.dtype).removeprefix("torch."),
+                   "md": metadata_dict(md)})
+        parts = [x, attn_in, torch.cat(cos_sin, dim=-2).to(x.dtype)]
+        self._links[0].all_reduce(torch.cat([p.reshape(-1) for p in parts]))
+
     def step(self, step: dict, model: str = TARGET) -> None:
         """Send a step (see `step_inputs`) of `model` to the workers; rank 0 then runs its own
         shard."""
@@ -356,6 +466,29 @@ class TensorParallel:
 
     def close(self) -> None:
         self._stopper()
+
+
+class LeadLayer(DecoderLayer):
+    """Rank 0's shard of a head's decoder layer that every rank holds (`shard_head`): each
+    step first sends itself to the workers (`lead`), whose shards then run it alongside. It
+    sends the attention's input, normed here: a head's layer may norm it its own way (EAGLE-3
+    reads a pair; EAGLE-1 does not norm)."""
+
+    lead: Callable[..., None]
+
+    def step(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+             md: AttentionMetadata | None, cache, mask: torch.Tensor | None = None,
+             attn_in: torch.Tensor | None = None) -> torch.Tensor:
+        if md is None or mask is not None:
+            raise ValueError("a sharded head layer runs cached inference steps only")
+        attn_in = self.input_layernorm(x) if attn_in is None else attn_in
+        self.lead(x, attn_in, cos_sin, md)
+        return super().step(x, cos_sin, md, cache, mask, attn_in)
+
+
+@functools.cache
+def _lead_class(cls: type[DecoderLayer]) -> type[LeadLayer]:
+    return type(f"Lead{cls.__name__}", (LeadLayer, cls), {})
 
 
 class ShardedModel(torch.nn.Module):

@@ -56,6 +56,11 @@ def get(name: str) -> MethodSpec:
                      f"{', '.join(REGISTRY)}")
 
 
+def sharded_methods() -> tuple[str, ...]:
+    """Methods whose drafter draft_tensor_parallel_size > 1 shards like the target."""
+    return tuple(name for name, spec in REGISTRY.items() if spec.shards)
+
+
 def head_methods() -> tuple[str, ...]:
     """Methods with a trainable head on the target (`specserve train <method>`)."""
     return tuple(n for n, s in REGISTRY.items() if s.new_head is not None)

@@ -68,6 +68,10 @@ class DraftContext:
     # With draft_tensor_parallel_size > 1: loads a Llama-family draft model (directory, context
     # length) sharded over the target's ranks, ready to run; None: drafters run whole here.
     load_sharded: Callable[[str, int], nn.Module] | None = None
+    # With draft_tensor_parallel_size > 1: a head (as read, float32) and its KV context length
+    # -> the head with its decoder layers sharded over the target's ranks (the rest whole
+    # here), prepared by the backend; None: heads are prepared whole here.
+    shard_head: Callable[[nn.Module, int], nn.Module] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -176,6 +180,7 @@ class MethodSpec:
     steps_drafts: bool = False                # drafts token by token: draft_confidence_threshold
     samples_drafts: bool = False              # draft_sample_method 'probabilistic' (with probs)
     drafts_in_parallel: bool = False          # parallel_drafting: K drafts in one drafter pass
+    shards: bool = False                      # draft_tensor_parallel_size > 1 shards its drafter
     keys: tuple[str, ...] = ()                # speculative_config keys only this method takes
     # the K its checkpoint (a directory) gives when num_speculative_tokens is left out
     default_k: Callable[[str], int | None] | None = None

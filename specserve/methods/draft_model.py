@@ -170,4 +170,5 @@ class DraftModelProposer(ProposerBase):
 
 SPEC = MethodSpec(name="draft_model", build=DraftModelProposer, needs_model=True,
                   steps_drafts=True, samples_drafts=True, drafts_in_parallel=True,
+                  shards=True,
                   summary="a small LM with the target's vocabulary")

@@ -95,4 +95,4 @@ def build(config: SpeculativeConfig, ctx: DraftContext) -> HeadProposer:
 SPEC = MethodSpec(
     name="eagle", build=build, summary="EAGLE head on the target's last hidden state",
     detect=("eagle",), needs_model=True, reads_hidden_states=True, drafts_trees=True,
-    steps_drafts=True, new_head=new_head, read=read, write=write, loss=loss)
+    steps_drafts=True, shards=True, new_head=new_head, read=read, write=write, loss=loss)

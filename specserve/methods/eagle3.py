@@ -231,5 +231,5 @@ SPEC = MethodSpec(
     name="eagle3", build=build,
     summary="EAGLE-3 head on three fused target layers, with a reduced draft vocabulary",
     detect=("eagle3", "eagle-3", "peagle"), needs_model=True, reads_hidden_states=True,
-    drafts_trees=True, steps_drafts=True, drafts_in_parallel=True, new_head=new_head, read=read,
-    write=write, loss=loss)
+    drafts_trees=True, steps_drafts=True, drafts_in_parallel=True, shards=True,
+    new_head=new_head, read=read, write=write, loss=loss)

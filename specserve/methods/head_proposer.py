@@ -43,16 +43,17 @@ class HeadProposer(ProposerBase):
     MAX_PENDING = 256
 
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext, head: StatefulHead) -> None:
-        self.head = ctx.backend.prepare(head)
-        a = self.head.args
         max_len = ctx.max_model_len + config.num_speculative_tokens + 1
+        self.head = (ctx.backend.prepare(head) if ctx.shard_head is None
+                     else ctx.shard_head(head, max_len))
+        a = self.head.args
         self.head.rotary = Rotary(a.head_dim, max_len, a.rope_theta, a.rope_scaling).to(
             ctx.device)
         self.num_layers = self.head.num_step_layers      # taking turns over the draft steps
         for step in range(self.num_layers):
             self.head.step_head(step).rotary = self.head.rotary
-        self.cache = ctx.new_kv_cache(self.num_layers, a.num_key_value_heads, max_len,
-                                      a.head_dim, model_tensor(self.head).dtype)
+        self.cache = ctx.new_kv_cache(self.num_layers, a.num_key_value_heads // self.head.tp_size,
+                                      max_len, a.head_dim, model_tensor(self.head).dtype)
         self.caches = [self.cache]
         self.modules = {"head": self.head}
         self.device = ctx.device

@@ -168,7 +168,7 @@ def build(config: SpeculativeConfig, ctx: DraftContext) -> HeadProposer:
 
 SPEC = MethodSpec(
     name="mtp", build=build, summary="the target's own multi-token-prediction layer",
-    detect=("mtp",), reads_hidden_states=True, drafts_trees=True, steps_drafts=True,
+    detect=("mtp",), reads_hidden_states=True, drafts_trees=True, steps_drafts=True, shards=True,
     model_is_target=True, repeats_layers=True, new_head=new_head, read=read, write=write,
     loss=loss,
     # one draft per MTP layer (vLLM's n_predict for MTP)

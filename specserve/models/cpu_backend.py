@@ -245,7 +245,7 @@ def compiled_chain(model: nn.Module, caches: list[tuple[torch.Tensor, torch.Tens
         return None
     norms = [n for n in (parts.e_norm, parts.h_norm, parts.final_norm) if n is not None]
     linears = [m for m in (model.lm_head, parts.fc) if m is not None]
-    if (getattr(parts.layer, "cpu_layer", None) is None
+    if (getattr(parts.layer, "cpu_layer", None) is None or model.tp_size > 1
             or not all(isinstance(m, DecodeLinear) and m.kernel_weight is not None
                        for m in linears)
             or not all(isinstance(n, KernelRMSNorm) for n in norms)

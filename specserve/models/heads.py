@@ -48,6 +48,7 @@ class StatefulHead(nn.Module):
 
     # KV-cached layers that take turns over the draft steps (MTP checkpoints with several)
     num_step_layers = 1
+    tp_size = 1             # ranks its decoder layers are sharded over (draft tensor parallel)
 
     def step_head(self, step: int) -> StatefulHead:
         """The head that runs draft step `step` (0: the one fed the target's states) and

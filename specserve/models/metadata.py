@@ -104,3 +104,27 @@ def step_inputs(step: dict, device: torch.device
     else:
         md, positions = build_metadata(step["starts"], step["lens"], step["slots"], device)
     return torch.tensor(step["ids"], dtype=torch.long, device=device), positions, md
+
+
+def metadata_dict(md: AttentionMetadata) -> dict:
+    """`md` as plain lists (a causal step's mask is left to be rebuilt from its starts), for
+    `metadata_from_dict` in another process."""
+    lists = {k: None if t is None else t.tolist()
+             for k, t in (("token_slots", md.token_slots), ("positions", md.positions),
+                          ("slot_ids", md.slot_ids), ("pad_index", md.pad_index),
+                          ("mask", None if md.starts is not None else md.mask))}
+    return lists | {"first_slot": md.first_slot, "batch_size": md.batch_size,
+                    "max_query_len": md.max_query_len, "max_kv_len": md.max_kv_len,
+                    "tree": md.tree, "starts": md.starts}
+
+
+def metadata_from_dict(d: dict, device: torch.device) -> AttentionMetadata:
+    def tensor(k: str, dtype: torch.dtype) -> torch.Tensor | None:
+        return None if d[k] is None else torch.tensor(d[k], dtype=dtype, device=device)
+
+    return AttentionMetadata(
+        token_slots=tensor("token_slots", torch.long), positions=tensor("positions", torch.long),
+        slot_ids=tensor("slot_ids", torch.long), first_slot=d["first_slot"],
+        batch_size=d["batch_size"], max_query_len=d["max_query_len"],
+        max_kv_len=d["max_kv_len"], pad_index=tensor("pad_index", torch.long),
+        mask=tensor("mask", torch.bool), tree=d["tree"], starts=d["starts"])

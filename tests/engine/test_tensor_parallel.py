@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
-from specserve.engine.tensor_parallel import ShardedModel, WorkerDied, _free_port
+from specserve.engine.tensor_parallel import LeadLayer, ShardedModel, WorkerDied, _free_port
 from specserve.kernels.cpu import (
     SharedMemoryAllReduce,
     SharedMemoryChannel,
@@ -23,6 +23,7 @@ from specserve.kernels.cpu import (
     shm_numel,
 )
 from specserve.models.cpu_backend import KernelLayer
+from specserve.models.llama import DecoderLayer
 from specserve.models.metadata import build_metadata
 from tests.test_spec_decode import _greedy, repetitive_prompts
 from tests.train.conftest import REPO
@@ -86,6 +87,51 @@ def test_greedy_output_with_two_ranks_is_one_ranks(method, llama_dir, draft_dir,
     if method != "none":
         assert llm.get_stats()["spec_decode_num_drafts"] > 0
     llm.engine.close()
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3_tree", "peagle", "mtp", "eagle_gloo"])
+def test_a_sharded_head_drafts_what_the_whole_head_drafts(kind, llama_dir, tmp_path):
+    """draft_tensor_parallel_size = 2: every rank holds half of the head's attention and MLP
+    and runs each of its steps (chains, trees, P-EAGLE's one pass, MTP's layers in turn; in the
+    kernel, and over gloo without it); the drafts are the whole head's on one rank."""
+    from tests.methods.test_heads import eagle3_ckpt, eagle_ckpt, mtp_target, record_drafts
+    from tests.methods.test_peagle import make_peagle
+    target, kw = llama_dir, {"device": "cpu"}
+    spec = {"num_speculative_tokens": 3}
+    if kind.startswith("eagle3"):
+        spec["model"] = str(eagle3_ckpt(tmp_path / "e3"))
+        if kind == "eagle3_tree":
+            spec |= {"num_speculative_tokens": 4,
+                     "speculative_token_tree": "[(0,), (1,), (0, 0), (0, 1)]"}
+    elif kind == "peagle":
+        spec |= {"model": str(make_peagle(llama_dir, tmp_path / "pe")),
+                 "parallel_drafting": True}
+    elif kind == "mtp":
+        target = mtp_target(tmp_path / "mtp", layers=2)
+        spec |= {"method": "mtp", "num_speculative_tokens": 4}
+    else:
+        spec["model"], kw["cpu_kernel"] = str(eagle_ckpt(tmp_path / "eagle")), False
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(3, seed=4)]
+    ref = [o.outputs[0].token_ids for o in LLM(str(target), **kw).generate(
+        ps, _greedy(24), use_tqdm=False)]
+    runs = {}
+    for size in (1, TP):
+        llm = LLM(str(target), tensor_parallel_size=size, speculative_config=spec | {
+            "draft_tensor_parallel_size": size}, **kw)
+        drafts = record_drafts(llm)
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(24),
+                                                             use_tqdm=False)] == ref
+        runs[size] = drafts
+        proposer = llm.engine.proposer
+        if size == TP:                  # rank 0 holds half the head's KV heads
+            assert proposer.head.tp_size == TP
+            assert all(isinstance(m, LeadLayer) for m in proposer.head.modules()
+                       if isinstance(m, DecoderLayer))
+            assert (proposer.cache.layers[0][0].shape[1]
+                    == proposer.head.args.num_key_value_heads // TP)
+        llm.engine.close()
+    assert sum(map(len, runs[1])) > 10
+    assert runs[TP] == runs[1]
 
 
 def test_a_prompt_chunk_longer_than_a_kernel_step_sums_over_shared_memory_too(tmp_path):
@@ -241,10 +287,10 @@ def test_sizes_that_cannot_split_the_model_are_refused_before_any_process(llama_
     with pytest.raises(ValueError, match="must be 1 or equal to tensor_parallel_size=2"):
         LLM(str(llama_dir), device="cpu", tensor_parallel_size=2, speculative_config={
             "method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 4})
-    with pytest.raises(ValueError, match="shards draft models .method 'draft_model'. only; "
-                                         "'eagle3' runs whole on rank 0"):
+    with pytest.raises(ValueError, match="shards the drafters of draft_model, eagle3, eagle, "
+                                         "mtp only; 'medusa' runs whole on rank 0"):
         LLM(str(llama_dir), device="cpu", tensor_parallel_size=2, speculative_config={
-            "method": "eagle3", "model": str(llama_dir), "num_speculative_tokens": 2,
+            "method": "medusa", "model": str(llama_dir), "num_speculative_tokens": 2,
             "draft_tensor_parallel_size": 2})
     assert multiprocessing.active_children() == []
 
