@@ -16,6 +16,7 @@ import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.kernels.cpu import linear_rows, load_library, pack_weight, quantize_int8
+from specserve.kernels.cpu.binding import QB
 from specserve.kv_cache import KVCache
 from specserve.models.cpu_backend import DecodeLinear, use_decode_linears
 from specserve.models.loader import load_model
@@ -51,9 +52,23 @@ def test_quantize_int8_is_symmetric_per_output_column():
     assert torch.equal(q.abs().amax(1)[scale > 0], torch.full((69,), 127, dtype=torch.int8))
 
 
+def _w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What the int8 linear computes, in float64: the inputs quantized per block of QB
+    (round(x * 127 / max|x|), float32 as the kernel does), each block's integer dot product
+    with the int8 weights times the block's scale, summed, times the column's scale."""
+    T, inp = x.shape
+    pad = -inp % QB
+    xb = torch.cat([x, x.new_zeros(T, pad)], 1).view(T, -1, QB)             # [T, nblk, QB]
+    m = xb.abs().amax(-1, keepdim=True)                                      # [T, nblk, 1]
+    xq = (xb * torch.where(m > 0, 127 / m, 0)).round().clamp(-127, 127)
+    qb = torch.cat([q, q.new_zeros(len(q), pad)], 1).view(len(q), -1, QB)    # [out, nblk, QB]
+    dots = torch.einsum("tjk,ojk->toj", xq.double(), qb.double())           # [T, out, nblk]
+    return (dots * (m / 127).double().transpose(1, 2)).sum(-1) * scale.double()
+
+
 def test_int8_linear_sums_the_quantized_products_and_rows_do_not_interact():
-    """y = scale * (q @ x) (+ bias), any shape, any row count (prompt chunks past max_rows
-    too); a row's bits do not depend on the other rows."""
+    """y = scale * sum over blocks of (block scale * int8 dot product) (+ bias), any shape, any
+    row count (prompt chunks past max_rows too); a row's bits do not depend on the other rows."""
     g = torch.Generator().manual_seed(1)
     lib = load_library()
     block = lib.specserve_block()
@@ -61,17 +76,22 @@ def test_int8_linear_sums_the_quantized_products_and_rows_do_not_interact():
         w = torch.randn(out, inp, generator=g)
         b = torch.randn(out, generator=g)
         packed = pack_weight(w, block, int8=True)
-        tiles = -(-out // (4 * block))
-        assert packed.dtype == torch.int8 and packed.shape == (tiles, (inp + 4) * 4 * block)
+        tiles, in_q = -(-out // (4 * block)), -(-inp // QB) * QB
+        assert packed.dtype == torch.int8 and packed.shape == (tiles, (in_q + 4) * 4 * block)
         q, scale = quantize_int8(w)
         for rows in (1, 3, 5, 7, 13, 101, 600):
-            x = torch.randn(rows, inp, generator=g)
+            x = torch.randn(rows, inp, generator=g) * torch.rand(rows, 1, generator=g)
+            x[0, :QB] = 0                                        # an all-zero block: scale 0
+            ref = _w8a8(x, q, scale)
             for bias in (None, b):
                 y = linear_rows(lib, x, packed, bias, out)
-                ref = (x.double() @ q.double().T) * scale.double()
-                ref = ref if bias is None else ref + bias.double()
-                torch.testing.assert_close(y, ref.float(), atol=1e-4, rtol=1e-4)
+                want = ref if bias is None else ref + bias.double()
+                torch.testing.assert_close(y, want.float(), atol=1e-5, rtol=1e-5)
                 assert torch.equal(y[-1:], linear_rows(lib, x[-1:], packed, bias, out))
+        x = torch.randn(3, inp, generator=g)
+        exact = (x.double() @ q.double().T) * scale.double()
+        y = linear_rows(lib, x, packed, None, out).double()
+        assert (y - exact).norm() < 0.05 * exact.norm()          # close to unquantized inputs
 
 
 def test_an_int8_model_packs_every_linear_and_stays_close_to_float32(llama_dir):

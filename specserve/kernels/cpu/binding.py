@@ -35,6 +35,7 @@ import torch
 SOURCE = Path(__file__).with_name("kernel.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 GROUP = 4                # blocks of a packed weight kept input by input (GROUP in C)
+QB = 32                  # int8: inputs per activation scale (QB in C)
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
@@ -200,18 +201,22 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
     bytes and widens a pair per 32-bit lane. The products and sums are those of float32 weights.
     Layout [.., ceil(in / 2), GROUP, 2 block]; with `pairs` (the inputs rounded to bfloat16
     too: bfloat16 models; the weight must hold bfloat16 values) the same bytes as
-    [.., ceil(in / 2), GROUP, block, 2]. `int8`: `quantize_int8`'s values, each group
-    [in, GROUP, block] int8 followed by its GROUP block float32 scales, as int8
-    [groups, (in + 4) GROUP block]. `weight_mode` tells the four apart."""
+    [.., ceil(in / 2), GROUP, block, 2]. `int8`: `quantize_int8`'s values + 128 (unsigned
+    bytes, what the dot product instruction takes; the inputs padded with zeros to a multiple
+    of QB), each group [in_q / 4, GROUP, block, 4] (four consecutive inputs of a column side
+    by side) followed by its GROUP block float32 scales, as int8 [groups, (in_q + 4) GROUP
+    block]. `weight_mode` tells the four apart."""
     out, inp = weight.shape
     w = weight.detach()
     if out % (GROUP * block):
         w = torch.cat([w, w.new_zeros(-out % (GROUP * block), inp)])
     if int8:
         q, scale = quantize_int8(w)
-        q = q.view(-1, GROUP, block, inp).permute(0, 3, 1, 2).reshape(len(w) // (GROUP * block),
-                                                                      -1)
-        return torch.cat([q, scale.view(len(q), -1).contiguous().view(torch.int8)], 1)
+        u = (q.to(torch.int32) + 128).to(torch.uint8)
+        u = torch.cat([u, u.new_full((len(u), -inp % QB), 128)], 1).view(torch.int8)
+        u = u.view(-1, GROUP, block, u.shape[1] // 4, 4).permute(0, 3, 1, 2, 4)
+        u = u.reshape(len(w) // (GROUP * block), -1)
+        return torch.cat([u, scale.view(len(u), -1).contiguous().view(torch.int8)], 1)
     as_bf16 = w.to(torch.bfloat16)
     if w.dtype != torch.bfloat16 and not torch.equal(as_bf16.float(), w):
         if pairs:

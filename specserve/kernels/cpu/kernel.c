@@ -46,21 +46,6 @@ static inline vf loadv(const float *p) {
 
 static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
-/* VL int8 values widened to floats (GCC scalarises __builtin_convertvector of bytes) */
-static inline vf widen_i8(const int8_t *p) {
-    vf v;
-#if VL == 16
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)p)));
-    memcpy(&v, &f, sizeof v);
-#elif defined(__AVX2__)
-    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)p)));
-    memcpy(&v, &f, sizeof v);
-#else
-    for (int j = 0; j < VL; j++) v[j] = (float)p[j];
-#endif
-    return v;
-}
-
 /* VL bfloat16 values widened to floats (exactly) */
 static inline vf widen_bf16(const uint16_t *p) {
     vf v;
@@ -161,15 +146,17 @@ static float dot(const float *a, const float *b, int64_t n) {
  * on CPUs with AVX512-BF16 one instruction takes 32 products, and no weight needs widening
  * first. BF16 and PAIRS interleave consecutive inputs in pairs: one 32-bit lane holds a
  * column's weights for inputs 2i and 2i + 1, widened to float32 by a shift and a mask. I8:
- * symmetric int8 weights (quantization="int8") with one float32 scale per output column,
- * widened to float32 in registers; each output's sum is scaled once at its end, so a quarter
- * of F32's bytes stream and the products stay float32. */
+ * symmetric int8 weights (quantization="int8") with one float32 scale per output column, and
+ * inputs quantized on the fly to int8 with one scale per QB of them (as llama.cpp's Q8_0
+ * does): the products are integer dot products of four byte pairs per 32-bit lane
+ * (AVX512-VNNI: 64 in one instruction), each block's sum scaled into a float32 sum over the
+ * blocks in order, and that by the column's scale at the end. A quarter of F32's bytes stream;
+ * widening every weight to float32 instead cost enough instructions per byte that a one-row
+ * step fell well short of the memory bandwidth, and ran 1.6x slower whenever the VM's other
+ * load took a share of the core. */
 enum { F32, BF16, PAIRS, I8 };
 #define GROUP 4                 /* blocks a packed weight keeps input by input together */
-/* How far ahead an int8 tile asks for its weights: it spends more instructions per byte than
- * the other layouts, and the hardware prefetcher alone left its stream well short of the
- * memory bandwidth (bfloat16 streams, read faster, were not helped). */
-#define PREFETCH 8192
+#define QB 32                   /* I8: inputs per activation scale */
 #define ROWS (ACC / GROUP)      /* rows a tile runs at once, GROUP accumulators each */
 
 /* Weights are packed as [ceil(out / (GROUP VL))][in][GROUP][VL] (F32) or
@@ -180,8 +167,7 @@ enum { F32, BF16, PAIRS, I8 };
  * group (wp: its first block) times tb <= ROWS rows keeps its tb * GROUP accumulators in
  * registers while the weights stream past once; each output is summed over i in order, the
  * same for every tb. For PAIRS, x holds the rows as bfloat16 pairs
- * (uint32, `in` of them per row: here `in` counts pairs). I8 packs a group as
- * [in][GROUP][VL] int8 followed by its GROUP VL float32 column scales. */
+ * (uint32, `in` of them per row: here `in` counts pairs). I8 runs in tile_i8. */
 static inline __attribute__((always_inline)) void tile(const void *wp, int mode, const void *xp,
                                                        int64_t in, int tb, float *y) {
 #if defined(__AVX512BF16__) && VL == 16
@@ -248,21 +234,6 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
                 const vf lo = (vf)(w << 16);
                 for (int t = 0; t < tb; t++) acc[t][b] += lo * x[t * in + in - 1];
             }
-    } else if (mode == I8) {
-        const float *x = xp;
-        const int8_t *w8 = wp;
-        for (int64_t i = 0; i < in; i++) {
-            vf w[GROUP];
-            __builtin_prefetch(w8 + i * GROUP * VL + PREFETCH);    /* a cache line per input */
-            for (int b = 0; b < GROUP; b++) w[b] = widen_i8(w8 + (i * GROUP + b) * VL);
-            for (int t = 0; t < tb; t++) {
-                float xv = x[t * in + i];
-                for (int b = 0; b < GROUP; b++) acc[t][b] += w[b] * xv;
-            }
-        }
-        const float *scale = (const float *)(w8 + in * GROUP * VL);
-        for (int t = 0; t < tb; t++)
-            for (int b = 0; b < GROUP; b++) acc[t][b] *= loadv(scale + b * VL);
     } else {
         const float *x = xp;
         for (int64_t i = 0; i < in; i++) {
@@ -277,6 +248,108 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
     for (int t = 0; t < tb; t++)
         for (int b = 0; b < GROUP; b++) storev(y + (t * GROUP + b) * VL, acc[t][b]);
 }
+
+/* Rows quantized for I8 weights: x [T, in_q] int8 (the inputs past `in` zero), and per row
+ * and block of QB inputs its scale and the sum of its int8 values. */
+typedef struct {
+    int8_t *x;
+    float *scale;
+    int32_t *sum;
+    int64_t in_q, nblk;
+} QRows;
+
+/* x [T, in] -> q (allocated here; free_qrows): each block of QB inputs as round(x / d), d =
+ * max |x| / 127 over the block (0 for an all-zero block). Returns -1 when out of memory. */
+static int quantize_rows(const float *x, int64_t T, int64_t in, QRows *q) {
+    q->nblk = (in + QB - 1) / QB;
+    q->in_q = q->nblk * QB;
+    q->x = calloc((size_t)(T * q->in_q), 1);
+    q->scale = malloc(sizeof(float) * T * q->nblk);
+    q->sum = malloc(sizeof(int32_t) * T * q->nblk);
+    if (!q->x || !q->scale || !q->sum) return -1;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < q->nblk; j++) {
+            const float *r = x + t * in + j * QB;
+            const int64_t n = in - j * QB < QB ? in - j * QB : QB;
+            float m = 0.f;
+            for (int64_t i = 0; i < n; i++) m = fmaxf(m, fabsf(r[i]));
+            const float d = m / 127.f, id = m > 0.f ? 127.f / m : 0.f;
+            int32_t sum = 0;
+            for (int64_t i = 0; i < n; i++) {
+                const int32_t v = (int32_t)nearbyintf(r[i] * id);
+                const int32_t c = v > 127 ? 127 : (v < -127 ? -127 : v);
+                q->x[t * q->in_q + j * QB + i] = (int8_t)c;
+                sum += c;
+            }
+            q->scale[t * q->nblk + j] = d;
+            q->sum[t * q->nblk + j] = sum;
+        }
+    return 0;
+}
+
+static void free_qrows(QRows *q) {
+    free(q->x);
+    free(q->scale);
+    free(q->sum);
+}
+
+/* An I8 tile of tb <= ROWS rows of q from row t0: weights packed per group as [in_q / 4]
+ * [GROUP][VL][4] bytes, each the int8 weight + 128 (unsigned, what the dot product instruction
+ * takes), then the group's GROUP VL float32 column scales. Block by block, the rows three at
+ * a time (their integer sums in registers) while the block's weights stay in L1. A block's
+ * integer sum is exact; subtracting 128 times the block's input sum takes the offset back. */
+static inline __attribute__((always_inline)) void tile_i8(const uint8_t *wp, const QRows *q,
+                                                         int64_t t0, int tb, float *y) {
+    vf acc[ROWS][GROUP];
+    for (int t = 0; t < tb; t++)
+        for (int b = 0; b < GROUP; b++) acc[t][b] = (vf){0};
+    for (int64_t j = 0; j < q->nblk; j++) {
+        const uint8_t *wj = wp + j * QB * GROUP * VL;
+        for (int c = 0; c < tb; c += 3) {
+            const int n = tb - c < 3 ? tb - c : 3;
+            vi isum[3][GROUP];
+            for (int t = 0; t < n; t++)
+                for (int b = 0; b < GROUP; b++) isum[t][b] = (vi){0};
+            for (int u = 0; u < QB / 4; u++) {
+                const uint8_t *wu = wj + u * GROUP * VL * 4;
+                const int8_t *xu = q->x + (t0 + c) * q->in_q + j * QB + u * 4;
+#if defined(__AVX512VNNI__) && VL == 16
+                __m512i w[GROUP];
+                for (int b = 0; b < GROUP; b++)
+                    w[b] = _mm512_loadu_si512((const void *)(wu + b * VL * 4));
+                for (int t = 0; t < n; t++) {
+                    int32_t x4;
+                    memcpy(&x4, xu + t * q->in_q, 4);
+                    const __m512i xb = _mm512_set1_epi32(x4);
+                    for (int b = 0; b < GROUP; b++)
+                        isum[t][b] = (vi)_mm512_dpbusd_epi32((__m512i)isum[t][b], w[b], xb);
+                }
+#else
+                for (int b = 0; b < GROUP; b++) {
+                    vi w;
+                    memcpy(&w, wu + b * VL * 4, sizeof w);
+                    for (int t = 0; t < n; t++)
+                        for (int k = 0; k < 4; k++)
+                            isum[t][b] += ((w >> (8 * k)) & 0xff) * (int32_t)xu[t * q->in_q + k];
+                }
+#endif
+            }
+            for (int t = 0; t < n; t++) {
+                const int64_t r = (t0 + c + t) * q->nblk + j;
+                const float d = q->scale[r];
+                const int32_t off = 128 * q->sum[r];
+                for (int b = 0; b < GROUP; b++)
+                    acc[c + t][b] += __builtin_convertvector(isum[t][b] - off, vf) * d;
+            }
+        }
+    }
+    const float *scale = (const float *)(wp + q->in_q * GROUP * VL);
+    for (int t = 0; t < tb; t++)
+        for (int b = 0; b < GROUP; b++)
+            storev(y + (t * GROUP + b) * VL, acc[t][b] * loadv(scale + b * VL));
+}
+
+#define TILE_I8(TB) case TB: tile_i8(wt, &q, t0, TB, buf); break;
 
 /* bfloat16 bits of f, rounded to nearest even */
 static inline uint32_t bf16_bits(float f) {
@@ -432,11 +505,16 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
      * a pair of bfloat16 values per column */
     const int64_t in_x = mode == PAIRS ? (in + 1) / 2 : in;
     /* bytes of a packed group of GROUP VL columns */
-    const int64_t group_bytes = mode == I8 ? (in + 4) * GROUP * VL
+    const int64_t group_bytes = mode == I8 ? ((in + QB - 1) / QB * QB + 4) * GROUP * VL
                                 : (mode == F32 ? in : (in + 1) / 2) * GROUP * VL * 4;
     if (T == 0) return 0;
     const void *xs = x;
     uint32_t *pairs = NULL;
+    QRows q = {0};
+    if (mode == I8 && quantize_rows(x, T, in, &q)) {
+        free_qrows(&q);
+        return -1;
+    }
     if (mode == PAIRS) {
         if (!(pairs = malloc(sizeof(uint32_t) * T * in_x))) return -1;
         to_pairs(x, T, in, pairs);
@@ -464,7 +542,7 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
             } else if (mode == BF16) {
                 TILES(BF16)
             } else if (mode == I8) {
-                TILES(I8)
+                switch (n) { TILE_I8(1) TILE_I8(2) TILE_I8(3) TILE_I8(4) TILE_I8(5) TILE_I8(6) }
             } else {
                 TILES(F32)
             }
@@ -473,6 +551,7 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
         }
     }
     free(pairs);
+    free_qrows(&q);
     return 0;
 }
 
