@@ -5,7 +5,9 @@ gloo process group over a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's variab
 127.0.0.1 and a free port). Each step the engine sends the step's plain description (token
 ids, positions, slots: JSON) to the workers, then every rank runs its shard; the all-reduces
 inside the layers keep them in lockstep. The scheduler, sampler, verifier and proposers stay on
-rank 0. With the CPU kernel, the steps and the layers' all-reduces go through memory the ranks
+rank 0. A drafter of draft_tensor_parallel_size > 1 is sharded too: a draft model like the
+target (`add`), a head's decoder layers alone (`shard_head`: the rest of the head stays on
+rank 0, which sends each layer step its inputs). With the CPU kernel, the steps and the layers' all-reduces go through memory the ranks
 share (rank 0 makes it and hands it to the workers it spawns), not gloo's round trips over TCP,
 two per layer.
 
