@@ -64,7 +64,8 @@ class DecodeLinear(nn.Module):
             # hold the target's lm_head) never convert it out of the kernel's layout.
             self.weight = None
             self.kernel_weight = pack_weight(linear.weight, lib.specserve_block(),
-                                             pairs=bf16_inputs, int8=quantization == "int8")
+                                             pairs=bf16_inputs, int8=quantization == "int8",
+                                             absmax=getattr(linear, "row_absmax", None))
             return
         self.weight = linear.weight                  # same Parameter: ties stay tied
         self.kernel_weight = None

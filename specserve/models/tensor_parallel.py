@@ -27,13 +27,19 @@ def check_divisible(args: LlamaArgs, size: int, whose: str = "model's") -> None:
                              f"{what}; use one of {ok}")
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None,
+            whole: torch.Tensor | None = None) -> nn.Linear:
+    """A linear of `weight`; `whole`: the unsharded weight of a shard of its inputs, whose
+    columns' largest magnitudes it keeps (`row_absmax`), so that quantization at load gives it
+    the unsharded int8 values."""
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
                     device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         lin.weight.copy_(weight)
         if bias is not None:
             lin.bias.copy_(bias)
+    if whole is not None:
+        lin.row_absmax = whole.detach().abs().amax(1).float()                     # [out]
     return lin
 
 
@@ -55,13 +61,13 @@ def shard_layer(layer: DecoderLayer, rank: int, size: int,
     rows = torch.cat([q, at.q_size + kv, at.q_size + at.kv_size + kv])
     b = at.qkv_proj.bias
     at.qkv_proj = _linear(at.qkv_proj.weight.detach()[rows], None if b is None else b[rows])
-    at.o_proj = _linear(at.o_proj.weight.detach()[:, q], None)
+    at.o_proj = _linear(at.o_proj.weight.detach()[:, q], None, at.o_proj.weight)
     at.num_heads, at.num_kv_heads, at.q_size, at.kv_size = h, g, h * D, g * D
     i = mlp.intermediate // size
     cols = torch.arange(rank * i, (rank + 1) * i)
     mlp.gate_up_proj = _linear(
         mlp.gate_up_proj.weight.detach()[torch.cat([cols, mlp.intermediate + cols])], None)
-    mlp.down_proj = _linear(mlp.down_proj.weight.detach()[:, cols], None)
+    mlp.down_proj = _linear(mlp.down_proj.weight.detach()[:, cols], None, mlp.down_proj.weight)
     mlp.intermediate = i
     layer.all_reduce = all_reduce
 

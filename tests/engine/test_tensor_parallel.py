@@ -62,6 +62,23 @@ def test_two_ranks_give_one_ranks_logits_for_every_architecture(hf_model):
             assert gx == pytest.approx(wx, abs=1e-4), arch             # float32 sum order
 
 
+def test_an_int8_target_has_the_same_int8_weights_on_two_ranks(llama_dir):
+    """A shard of o_proj's or down_proj's inputs is quantized with its whole column's scale:
+    the ranks' int8 values are one rank's, and the logits differ only by summation order."""
+    if load_library() is None:
+        pytest.skip("no C compiler: int8 runs in the CPU kernel")
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(2, seed=5)]
+    kw = {"device": "cpu", "quantization": "int8"}
+    want = _logprobs(LLM(str(llama_dir), **kw), ps)
+    llm = LLM(str(llama_dir), tensor_parallel_size=TP, **kw)
+    got = _logprobs(llm, ps)
+    llm.engine.close()
+    for g, w in zip(got, want):
+        assert [list(x) for x in g] == [list(x) for x in w]
+        for gx, wx in zip(g, w):
+            assert gx == pytest.approx(wx, abs=1e-4)
+
+
 @pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "draft_model_sharded",
                                     "eagle3"])
 def test_greedy_output_with_two_ranks_is_one_ranks(method, llama_dir, draft_dir, tmp_path):

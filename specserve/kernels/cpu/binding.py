@@ -178,18 +178,20 @@ def max_rows(lib: ctypes.CDLL) -> int:
     return lib.specserve_max_rows()
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(weight: torch.Tensor, absmax: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 of weight [out, in], one scale per output column: q [out, in] int8 in
     [-127, 127] and scale [out] float32 with weight ~= q * scale[:, None] (a zero column gets
-    scale 0)."""
+    scale 0). `absmax` [out]: each column's largest magnitude when `weight` holds only some of
+    its inputs (a tensor-parallel shard: every rank then gets the whole column's int8 values)."""
     w = weight.detach().float()
-    scale = w.abs().amax(1) / 127                                   # [out]
+    scale = (w.abs().amax(1) if absmax is None else absmax.float()) / 127         # [out]
     q = (w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).round().clamp(-127, 127)
     return q.to(torch.int8), scale
 
 
 def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
-                int8: bool = False) -> torch.Tensor:
+                int8: bool = False, absmax: torch.Tensor | None = None) -> torch.Tensor:
     """weight [out, in] (float32 or bfloat16) -> the kernel's layout
     [ceil(out / (GROUP block)), in, GROUP, block]: groups of GROUP blocks of `block` output
     columns (the kernel's vector width, `lib.specserve_block()`), input by input, so that the
@@ -205,13 +207,15 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
     bytes, what the dot product instruction takes; the inputs padded with zeros to a multiple
     of QB), each group [in_q / 4, GROUP, block, 4] (four consecutive inputs of a column side
     by side) followed by its GROUP block float32 scales, as int8 [groups, (in_q + 4) GROUP
-    block]. `weight_mode` tells the four apart."""
+    block] (`absmax`: see `quantize_int8`). `weight_mode` tells the four apart."""
     out, inp = weight.shape
     w = weight.detach()
     if out % (GROUP * block):
         w = torch.cat([w, w.new_zeros(-out % (GROUP * block), inp)])
     if int8:
-        q, scale = quantize_int8(w)
+        if absmax is not None:
+            absmax = torch.cat([absmax, absmax.new_zeros(len(w) - len(absmax))])
+        q, scale = quantize_int8(w, absmax)
         u = (q.to(torch.int32) + 128).to(torch.uint8)
         u = torch.cat([u, u.new_full((len(u), -inp % QB), 128)], 1).view(torch.int8)
         u = u.view(-1, GROUP, block, u.shape[1] // 4, 4).permute(0, 3, 1, 2, 4)
