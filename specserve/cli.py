@@ -151,8 +151,10 @@ def _head_options(args: argparse.Namespace) -> dict:
     if args.parallel and args.kind != "eagle3":
         raise SystemExit("specserve train: --parallel is for eagle3 (a P-EAGLE head); for a "
                          "draft model use `specserve train pard`")
+    if args.depth_gamma is not None and not (args.kind == "pard" or args.parallel):
+        raise SystemExit("specserve train: --depth-gamma is for pard and eagle3 --parallel")
     if args.kind == "eagle3" and args.parallel:
-        return {"parallel": True}
+        return {"parallel": True, "depth_gamma": args.depth_gamma}
     if args.kind != "dflash":
         if args.block_size or args.layers:
             raise SystemExit("specserve train: --block-size and --layers are for dflash")
@@ -244,9 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "extract_hidden_states wrote to this directory (served traffic) instead "
                         "of corpus text; no target pass is run")
     t.add_argument("--depth-gamma", type=float, default=None,
-                   help="pard: weigh the loss of the draft d tokens ahead by exp(-(d-1) / "
-                        "GAMMA) (as DFlash weighs its block), so that a small draft learns the "
-                        "drafts that get accepted first (default: all alike, PARD's recipe)")
+                   help="pard and eagle3 --parallel: weigh the loss of the draft d tokens "
+                        "ahead by exp(-(d-1) / GAMMA) (as DFlash weighs its block), so that a "
+                        "small drafter learns the drafts that get accepted first (default: all "
+                        "alike, PARD's recipe)")
     t.add_argument("--parallel", action="store_true",
                    help="eagle3: a P-EAGLE head, trained to draft all K tokens in one pass "
                         "(parallel_drafting); --init may name a chain head to start from")

@@ -10,6 +10,7 @@ the last pair standing in for the drafts not known yet; trained on the PARD layo
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -115,9 +116,12 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 
 
 def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
-             token_counts: np.ndarray | None = None, parallel: bool = False) -> Eagle3Head:
+             token_counts: np.ndarray | None = None, parallel: bool = False,
+             depth_gamma: float | None = None) -> Eagle3Head:
     """A fresh head; with `draft_vocab` < the target's vocabulary it keeps the `draft_vocab`
-    target ids most frequent in `token_counts` [V] (as EAGLE-3 does); `parallel`: a P-EAGLE
+    target ids most frequent in `token_counts` [V] (as EAGLE-3 does); `depth_gamma`: a P-EAGLE
+    head's training weighs the draft d tokens ahead by exp(-(d-1) / depth_gamma) (`loss`;
+    default: all alike); `parallel`: a P-EAGLE
     head, its mask token the lowest id unused in `token_counts`."""
     a = target.args
     n = min(draft_vocab or a.vocab_size, a.vocab_size)
@@ -131,6 +135,7 @@ def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
         ids = torch.from_numpy(np.sort(np.argsort(-token_counts, kind="stable")[:n]))
         head.d2t.copy_(ids - torch.arange(n))
     head.aux_layers = default_aux_layers(a.num_hidden_layers)
+    head.depth_gamma = depth_gamma
     return head
 
 
@@ -205,11 +210,14 @@ def parallel_drafts(head: Eagle3Head, x: torch.Tensor, aux: torch.Tensor, pos: t
 
 def loss(head: Eagle3Head, x, pos, h, aux, logp, k: int, distill):
     """KL over the draft vocabulary (logp is the target's over it) at each of the k unrolled
-    draft steps (P-EAGLE: of the k copies of one parallel pass), averaged."""
+    draft steps (P-EAGLE: of the k copies of one parallel pass, weighted by depth as
+    `new_head`'s depth_gamma says), averaged."""
     if head.mask_hidden is not None:
         outs = parallel_drafts(head, x, aux, pos, k)
         kls = [distill(head.draft_logits(outs[:, c, c:]), logp[:, 1 + c:]) for c in range(k)]
-        total = sum(kls) / k
+        gamma = getattr(head, "depth_gamma", None)
+        w = [1.0 if gamma is None else math.exp(-c / gamma) for c in range(k)]
+        total = sum(wc * kl for wc, kl in zip(w, kls)) / sum(w)
         return total, {"kl": kls[0].item(), "kl_last": kls[-1].item(), "loss": total.item()}
     outs = unrolled_drafts(head, x, aux, pos, k)
     kls = [distill(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]

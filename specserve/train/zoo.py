@@ -248,8 +248,11 @@ def build_dflash(out: Path, work: Path, **kw) -> bool:
 
 # The P-EAGLE head: the bundled EAGLE-3 head fine-tuned to draft PEAGLE_K tokens in one pass
 # (K-1 mask copies in training, `eagle3.parallel_drafts`), at half the heads' learning rate on
-# windows of 256 tokens (the copies multiply the attention's rows by K).
-PEAGLE_K = 8
+# windows of 256 tokens (the copies multiply the attention's rows by K). K = 4 with depth
+# weights (gamma 2), as PARD: with K = 8 copies weighed alike its drafts past the third were
+# never accepted, and its second was accepted less often.
+PEAGLE_K = 4
+PEAGLE_DEPTH_GAMMA = 2.0
 PEAGLE_STAGES: list[tuple[int, GeneratedData]] = [(1200, GREEDY)]
 
 
@@ -267,7 +270,9 @@ def build_peagle(out: Path, work: Path, **kw) -> bool:
     for steps, gen in PEAGLE_STAGES:
         results = train_heads({"eagle3": Path(f"{e3}-parallel")}, peagle_config(work, steps, **kw),
                               target, k=PEAGLE_K, gen=gen, inits={"eagle3": e3},
-                              head_options={"parallel": True}, **HEAD_RECIPES[("eagle3",)][1])
+                              head_options={"parallel": True,
+                                            "depth_gamma": PEAGLE_DEPTH_GAMMA},
+                              **HEAD_RECIPES[("eagle3",)][1])
         if not all(results.values()):
             return False
         _report(results, target, f"P-EAGLE, {steps} steps")
@@ -336,7 +341,8 @@ MANIFEST_STAGES = {
     "code-draft-pard": "parallel draft: code-draft adapted by PARD_STAGES (train pard, K = 4, "
                        "depth gamma 2)",
     "code-target-dflash": "dflash drafter: DFLASH_STAGES (3 layers, blocks of 8)",
-    "code-target-eagle3-parallel": "P-EAGLE head: code-target-eagle3 by PEAGLE_STAGES (K = 8)",
+    "code-target-eagle3-parallel": "P-EAGLE head: code-target-eagle3 by PEAGLE_STAGES (K = 4, "
+                                   "depth gamma 2)",
     "code-target-eagle3": "eagle3 head: HEAD_RECIPES, retarget, RETARGET_EAGLE3_MORE",
     "code-target-eagle": "eagle head: HEAD_RECIPES, retarget",
     "code-target-medusa": "medusa head: HEAD_RECIPES, retarget",

@@ -118,6 +118,30 @@ def test_the_training_layout_is_what_inference_sees(llama_dir, peagle_dir):
                 assert head.logits(rows[c, t]).argmax().item() == want
 
 
+def test_depth_weights_count_each_copy_as_asked(llama_dir, peagle_dir):
+    """A P-EAGLE head trained with depth_gamma weighs copy c's KL by exp(-c / depth_gamma):
+    without it the copies count alike; with a tiny gamma only the first; with 2 they mix in
+    that proportion."""
+    import math
+
+    from specserve.train.heads import head_loss
+    target = load_model(llama_dir, torch.float32, torch.device("cpu"))
+    head = eagle3.read(peagle_dir, target)
+    fn = head_loss("eagle3", head, target, 2)
+    xy = torch.randint(3, 90, (2, 17), generator=torch.Generator().manual_seed(0))
+    totals = {}
+    for gamma in (None, 1e-6, 2.0):
+        head.depth_gamma = gamma
+        with torch.no_grad():
+            totals[gamma], values = fn(xy)
+    kl0, kl1 = values["kl"], values["kl_last"]
+    assert abs(kl1 - kl0) > 1e-3                  # the copies differ: the weights matter
+    assert float(totals[None]) == pytest.approx((kl0 + kl1) / 2, rel=1e-5)
+    assert float(totals[1e-6]) == pytest.approx(kl0, rel=1e-5)
+    w = math.exp(-1 / 2.0)
+    assert float(totals[2.0]) == pytest.approx((kl0 + w * kl1) / (1 + w), rel=1e-5)
+
+
 def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path):  # noqa: F811
     target, _ = small_vocab_pair
     head = make_peagle(target, tmp_path / "pe", mask=6, seed=1)
