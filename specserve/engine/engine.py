@@ -88,18 +88,17 @@ class LLMEngine:
         # request decodes on without drafts. None: the target's.
         self.draft_max_len: int | None = None
         if self.spec is not None:
+            draft_backend = dataclasses.replace(self.backend, quantization=self.spec.quantization)
+            sharded = self.spec.draft_tensor_parallel_size > 1
             self.proposer = build_proposer(self.spec, DraftContext(
                 target=self.model, target_path=mc.model, num_slots=sc.max_num_seqs,
                 max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                backend=dataclasses.replace(self.backend, quantization=self.spec.quantization),
+                backend=draft_backend,
                 load_sharded=(functools.partial(self.tp.add, "draft",
                                                 quantization=self.spec.quantization)
-                              if self.spec.draft_tensor_parallel_size > 1 else None),
-                shard_head=(functools.partial(self.tp.shard_head, "head",
-                                              backend=dataclasses.replace(
-                                                  self.backend,
-                                                  quantization=self.spec.quantization))
-                            if self.spec.draft_tensor_parallel_size > 1 else None)))
+                              if sharded else None),
+                shard_head=(functools.partial(self.tp.shard_head, "head", backend=draft_backend)
+                            if sharded else None)))
             self.draft_max_len = self._draft_max_len(self.spec.max_model_len,
                                                      self.proposer.max_model_len)
             caches += self.proposer.caches

@@ -7,9 +7,9 @@ ids, positions, slots: JSON) to the workers, then every rank runs its shard; the
 inside the layers keep them in lockstep. The scheduler, sampler, verifier and proposers stay on
 rank 0. A drafter of draft_tensor_parallel_size > 1 is sharded too: a draft model like the
 target (`add`), a head's decoder layers alone (`shard_head`: the rest of the head stays on
-rank 0, which sends each layer step its inputs). With the CPU kernel, the steps and the layers' all-reduces go through memory the ranks
-share (rank 0 makes it and hands it to the workers it spawns), not gloo's round trips over TCP,
-two per layer.
+rank 0, which sends each layer step its inputs). With the CPU kernel, the steps and the
+layers' all-reduces go through memory the ranks share (rank 0 makes it and hands it to the
+workers it spawns), not gloo's round trips over TCP, two per layer.
 
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set: one process per rank, on one
 machine or several) no process is spawned: every rank runs the same script, rank 0 goes on as
@@ -387,7 +387,9 @@ class TensorParallel:
                                   "quantization": backend.quantization}})
         for layer, spec in zip(layers, specs):
             state = layer.state_dict()
-            for k, t in _sent_weights(_plain_layer(spec)).items():
+            with torch.device("meta"):               # the workers' layer, for its names and shapes
+                plain = _plain_layer(spec)
+            for k, t in _sent_weights(plain).items():
                 if state[k].shape != t.shape:
                     raise ValueError(f"head layer {k}: {tuple(state[k].shape)} where its "
                                      f"config makes {tuple(t.shape)}")

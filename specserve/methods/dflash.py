@@ -31,7 +31,7 @@ from specserve.methods.checkpoints import (
     layer_tensors,
     write_head,
 )
-from specserve.methods.parallel import drafts_from_rows, first_unused, mask_token_id
+from specserve.methods.parallel import depth_weights, drafts_from_rows, first_unused, mask_token_id
 from specserve.models.layers import RMSNorm, Rotary, model_tensor
 from specserve.models.llama import DecoderLayer, LlamaArgs
 from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_dict
@@ -132,8 +132,7 @@ def default_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
 def loss_weights(block_size: int) -> torch.Tensor:
     """Weights of block positions 1..B-1: exp(-(k-1)/gamma), gamma 4 at B=8 and 7 at B=16
     (the paper's choices), so that the early drafts, which every later one needs, count most."""
-    gamma = max(1.0, 4 + 3 * (block_size - 8) / 8)
-    return torch.exp(-torch.arange(block_size - 1) / gamma)
+    return depth_weights(block_size - 1, max(1.0, 4 + 3 * (block_size - 8) / 8))
 
 
 def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,

@@ -10,7 +10,6 @@ the last pair standing in for the drafts not known yet; trained on the PARD layo
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from specserve.methods.checkpoints import (
     write_head,
 )
 from specserve.methods.head_proposer import HeadProposer
-from specserve.methods.parallel import first_unused, mask_token_id, pard_mask
+from specserve.methods.parallel import depth_weights, first_unused, mask_token_id, pard_mask
 from specserve.models.heads import ChainParts, StatefulHead
 from specserve.models.layers import RMSNorm
 from specserve.models.llama import DecoderLayer, LlamaArgs
@@ -215,9 +214,8 @@ def loss(head: Eagle3Head, x, pos, h, aux, logp, k: int, distill):
     if head.mask_hidden is not None:
         outs = parallel_drafts(head, x, aux, pos, k)
         kls = [distill(head.draft_logits(outs[:, c, c:]), logp[:, 1 + c:]) for c in range(k)]
-        gamma = getattr(head, "depth_gamma", None)
-        w = [1.0 if gamma is None else math.exp(-c / gamma) for c in range(k)]
-        total = sum(wc * kl for wc, kl in zip(w, kls)) / sum(w)
+        w = depth_weights(k, getattr(head, "depth_gamma", None))
+        total = sum(wc * kl for wc, kl in zip(w.tolist(), kls)) / w.sum().item()
         return total, {"kl": kls[0].item(), "kl_last": kls[-1].item(), "loss": total.item()}
     outs = unrolled_drafts(head, x, aux, pos, k)
     kls = [distill(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]

@@ -46,6 +46,14 @@ def first_unused(counts: np.ndarray) -> int:
     return int(free[0]) + NUM_SPECIAL_TOKENS
 
 
+def depth_weights(n: int, gamma: float | None, device: torch.device | None = None
+                  ) -> torch.Tensor:
+    """Training weights of drafts 1..n of a parallel pass: exp(-(d-1) / gamma), so that the
+    early drafts, which every later one needs, count most; gamma None: all alike. [n]"""
+    d = torch.arange(n, device=device, dtype=torch.float32)
+    return torch.ones_like(d) if gamma is None else torch.exp(-d / gamma)
+
+
 def pard_mask(length: int, k: int, device: torch.device | None = None) -> torch.Tensor:
     """The training layout of a parallel drafter (PARD, P-EAGLE): [k * length, k * length]
     bool, True = may attend, for a sequence of `length` real rows followed by k-1 mask copies

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.data.corpus import Corpus
-from specserve.methods.parallel import pard_mask, unused_token
+from specserve.methods.parallel import depth_weights, pard_mask, unused_token
 from specserve.models.llama import LlamaForCausalLM
 from specserve.models.loader import load_model
 from specserve.train.generated import GeneratedData, with_generated
@@ -47,8 +47,7 @@ def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_i
             j, c = torch.arange(L, device=device), torch.arange(k, device=device)
             valid = j[None, :] >= c[:, None]
             copy = c[:, None].expand(k, L)[valid]
-            w = (torch.ones(len(copy), device=device) if depth_gamma is None
-                 else torch.exp(-copy.float() / depth_gamma))
+            w = depth_weights(k, depth_gamma, device)[copy]
             layouts[L] = pard_mask(L, k, device), valid, copy, w / w.sum()
         return layouts[L]
 

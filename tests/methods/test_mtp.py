@@ -45,7 +45,8 @@ def test_mtp_with_several_layers_uses_them_in_turn(tmp_path, spec):
     assert got == ref and llm.get_stats()["spec_decode_num_drafts"] > 0
     assert calls[0] > 0 and calls[1] > 0
     eh = [layer.eh_proj for layer in proposer.head.layers]
-    w0, w1 = (m.weight if m.weight is not None else m.kernel_weight for m in eh)  # packed: no .weight
+    # a packed linear has no .weight
+    w0, w1 = (m.weight if m.weight is not None else m.kernel_weight for m in eh)
     assert w0.data_ptr() != w1.data_ptr()
 
 

@@ -76,10 +76,11 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     pard = []
     monkeypatch.setattr(zoo, "train_pard", lambda cfg, draft, target, out, **k: pard.append(
         (draft.name, target.name, out.name, k["k"], k["depth_gamma"])) or 1.0)
-    calls, refreshed = [], []
+    calls, refreshed, shapes = [], [], []
 
     def heads(outs, cfg, *a, **k):
         calls.append(cfg.steps)
+        shapes.append((list(outs), k.get("k"), k.get("head_options")))
         refreshed.append((k.get("refresh_vocab", False), cfg.lr, cfg.seed, cfg.top1_weight))
         first = cfg.steps == min(s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st)
         return {m: {"skipped": "past"} if first else {"tau": 2.0} for m in outs}
@@ -97,6 +98,8 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     assert pard == [("code-draft", "code-target", "code-draft-pard", zoo.PARD_K,
                      zoo.PARD_DEPTH_GAMMA)] * len(
         zoo.PARD_STAGES)
+    assert shapes[-len(zoo.PEAGLE_STAGES):] == [(["eagle3"], zoo.PEAGLE_K, {
+        "parallel": True, "depth_gamma": zoo.PEAGLE_DEPTH_GAMMA})] * len(zoo.PEAGLE_STAGES)
 
 
 def test_the_manifest_lists_every_bundled_file_as_it_is():

@@ -324,9 +324,10 @@ static void free_qrows(QRows *q) {
 /* An I8 tile of tb <= ROWS rows of q from row t0: weights packed per group as [in_q / 4]
  * [GROUP][VL][4] bytes, each the int8 weight + 128 (unsigned, what the dot product instruction
  * takes), then the group's GROUP VL float32 column scales. Block by block, the rows CHUNK at
- * a time (their integer sums in registers) while the block's weights stay in L1: on the 1B
- * shape a 5-row step cost 1.4x a one-row step three rows at a time, 1.2x six. A block's
- * integer sum is exact; subtracting 128 times the block's input sum takes the offset back. */
+ * a time (their integer sums in registers) while the block's weights stay in L1: a verify
+ * step of up to CHUNK rows then loads each weight vector once, where three rows at a time
+ * loaded it again per chunk and cost a verify step markedly more. A block's integer sum is
+ * exact; subtracting 128 times the block's input sum takes the offset back. */
 static inline __attribute__((always_inline)) void tile_i8(const uint8_t *wp, const QRows *q,
                                                          int64_t t0, int tb, float *y) {
     vf acc[ROWS][GROUP];
