@@ -32,7 +32,7 @@ from specserve.methods.checkpoints import (
     write_head,
 )
 from specserve.methods.parallel import depth_weights, drafts_from_rows, first_unused, mask_token_id
-from specserve.models.layers import RMSNorm, Rotary, model_tensor
+from specserve.models.layers import RMSNorm, Rotary, apply_rotary, model_tensor
 from specserve.models.llama import DecoderLayer, LlamaArgs
 from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_dict
 from specserve.models.metadata import build_tree_metadata
@@ -87,6 +87,33 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out))                                 # [..., V]
+
+    def fuse_context_kv(self) -> None:
+        """For inference: every layer's k and v rows of qkv_proj stacked into one linear
+        (`context_kv`): one product per step instead of one per layer, whose calls cost more
+        than their few weights."""
+        attns = [layer.self_attn for layer in self.layers]
+        q, bias = attns[0].q_size, attns[0].qkv_proj.bias
+        w = torch.cat([at.qkv_proj.weight[q:] for at in attns])          # [L * 2 * Hkv * D, H]
+        self.kv_proj = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
+        self.kv_proj.requires_grad_(False)
+        self.kv_proj.weight.copy_(w)
+        if bias is not None:
+            self.kv_proj.bias.copy_(torch.cat([at.qkv_proj.bias[q:] for at in attns]))
+        norms = [at.k_norm for at in attns]
+        self.k_norms = None if norms[0] is None else nn.Parameter(
+            torch.stack([n.weight for n in norms])[:, None], requires_grad=False)   # [L, 1, D]
+
+    def context_kv(self, c: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated keys and values [T, L, Hkv, D] of every layer for context c [T, H]
+        (`fuse_context_kv` first): what each layer's `project_kv` gives."""
+        at = self.layers[0].self_attn
+        kv = self.kv_proj(c).view(c.shape[0], len(self.layers), 2, at.num_kv_heads, at.head_dim)
+        k, v = kv.unbind(2)
+        if self.k_norms is not None:
+            k = F.rms_norm(k, (at.head_dim,), eps=at.k_norm.eps) * self.k_norms
+        return apply_rotary(k.flatten(1, 2), cos_sin).view_as(k), v
 
     def block(self, ids: torch.Tensor, positions: torch.Tensor, md,
               caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -273,12 +300,17 @@ class DFlashProposer(ProposerBase):
     blocks in one drafter pass (ragged: each request's block has its budget of masks)."""
 
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext) -> None:
-        self.drafter = ctx.backend.prepare(read(config.model, ctx.target))
+        drafter = read(config.model, ctx.target)
+        drafter.fuse_context_kv()
+        self.drafter = ctx.backend.prepare(drafter)
         a = self.drafter.args
         max_len = ctx.max_model_len + config.num_speculative_tokens + 1
         self.drafter.rotary = Rotary(a.head_dim, max_len, a.rope_theta, a.rope_scaling).to(
             ctx.device)
         self.dtype = model_tensor(self.drafter).dtype      # what the drafter computes in
+        # the block in one compiled call where the backend has one (the embedding, every layer
+        # and the final norm; layer by layer in PyTorch the calls cost more than the weights)
+        self.forward = ctx.backend.forward(self.drafter)
         self.cache = ctx.new_kv_cache(a.num_hidden_layers, a.num_key_value_heads, max_len,
                                       a.head_dim, self.dtype)
         self.caches = [self.cache]
@@ -305,11 +337,10 @@ class DFlashProposer(ProposerBase):
         c = self.drafter.context(feats.to(self.dtype))                          # [T, H]
         pos = torch.tensor(positions, device=self.device)
         slot = torch.tensor(slots, device=self.device)
-        cos_sin = self.drafter.rotary.tables(pos, c.dtype)
-        for layer, (k_cache, v_cache) in zip(self.drafter.layers, self.cache.layers):
-            k, v = layer.self_attn.project_kv(c, cos_sin)                     # [T, Hkv, D]
-            k_cache[slot, :, pos] = k
-            v_cache[slot, :, pos] = v
+        k, v = self.drafter.context_kv(c, self.drafter.rotary.tables(pos, c.dtype))
+        for i, (k_cache, v_cache) in enumerate(self.cache.layers):         # k, v: [T, L, Hkv, D]
+            k_cache[slot, :, pos] = k[:, i]
+            v_cache[slot, :, pos] = v[:, i]
 
     @torch.inference_mode()
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
@@ -329,10 +360,14 @@ class DFlashProposer(ProposerBase):
         md = build_tree_metadata([r.slot for r in reqs], store,
                                  [[s[-1] + 1] * len(s) for s in store],
                                  [[[] for _ in s] for s in store], self.device)
-        out = self.drafter.block(torch.tensor(ids, device=self.device), md.positions, md,
-                                 self.cache.layers)                            # [T, H]
-        logits = self.drafter.logits(
-            out[torch.tensor(mask_rows, device=self.device)]).float()          # [sum(n), V]
+        ids_t = torch.tensor(ids, device=self.device)
+        rows = torch.tensor(mask_rows, device=self.device)
+        if self.forward is not None:
+            h = self.forward(ids_t, md.positions, md, self.cache.layers, ())    # [T, H], normed
+            logits = self.drafter.lm_head(h[rows]).float()                   # [sum(n), V]
+        else:
+            out = self.drafter.block(ids_t, md.positions, md, self.cache.layers)      # [T, H]
+            logits = self.drafter.logits(out[rows]).float()
         return drafts_from_rows(logits, budgets, reqs, self.sample, self.threshold)
 
 

@@ -12,9 +12,14 @@ import torch
 from torch import nn
 
 from specserve.config import resolve_dtype
-from specserve.kernels.cpu import HeadChain, LlamaChain, cpu_features, max_rows
+from specserve.kernels.cpu import HeadChain, LlamaChain, LlamaForward, cpu_features, max_rows
 from specserve.kv_cache import KVCache
-from specserve.models.cpu_backend import DecodeLinear, compiled_chain, use_decode_linears
+from specserve.models.cpu_backend import (
+    DecodeLinear,
+    compiled_chain,
+    llama_forward,
+    use_decode_linears,
+)
 from specserve.models.cuda_graphs import CudaGraphs
 from specserve.models.layers import model_tensor
 from specserve.models.llama import LlamaForCausalLM
@@ -47,6 +52,14 @@ class Backend:
         head with KV caches `caches` (a head: its first layer's), or None (the proposer's
         PyTorch loop)."""
         return compiled_chain(model, caches) if self.device.type == "cpu" else None
+
+    def forward(self, model: nn.Module) -> LlamaForward | None:
+        """A prepared stack's whole cached step (`embed_tokens`, every layer of `layers`, the
+        final `norm`; `rotary` as it will stay) in one compiled call, or None (layer by layer).
+        ids, positions [T], metadata, caches -> final hidden states [T, H]."""
+        if self.device.type != "cpu" or model_tensor(model).device.type != "cpu":
+            return None
+        return llama_forward(model)
 
     def describe(self, model: nn.Module) -> str:
         """Which path a prepared model's steps take (the engine logs it)."""

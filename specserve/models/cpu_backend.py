@@ -20,7 +20,6 @@ from torch import nn
 
 from specserve.config import check_quantization
 from specserve.kernels.cpu import (
-    GROUP,
     CpuLayer,
     HeadChain,
     LlamaChain,
@@ -87,17 +86,6 @@ class DecodeLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed,
                                                self.bias, "none", [], "")     # [N, out]
         return y.view(*x.shape[:-1], self.out_features)
-
-    def forward_from(self, x: torch.Tensor, first: int) -> torch.Tensor:
-        """forward(x)[..., first:] (the tail of a fused projection: DFlash's keys and values),
-        reading only those columns' weights when `first` starts a packed group of columns."""
-        width = GROUP * self.lib.specserve_block() if self.lib is not None else 0
-        if not width or first % width:
-            return self(x)[..., first:]
-        bias = None if self.bias is None else self.bias[first:]
-        y = linear_rows(self.lib, x.reshape(-1, self.in_features),
-                        self.kernel_weight[first // width:], bias, self.out_features - first)
-        return y.view(*x.shape[:-1], self.out_features - first)
 
 
 def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,

@@ -183,10 +183,7 @@ class Attention(nn.Module):
         injects the target's context into a layer this way)."""
         lead = x.shape[:-1]
         w, b = self.qkv_proj.weight, self.qkv_proj.bias
-        if w is None:           # a backend's packed linear: it reads the k and v columns only
-            kv = self.qkv_proj.forward_from(x, self.q_size)                # [..., 2 * Hkv * D]
-        else:
-            kv = F.linear(x, w[self.q_size:], None if b is None else b[self.q_size:])
+        kv = F.linear(x, w[self.q_size:], None if b is None else b[self.q_size:])
         k, v = kv.view(*lead, 2, self.num_kv_heads, self.head_dim).unbind(-3)
         if self.k_norm is not None:
             k = self.k_norm(k)

@@ -110,15 +110,22 @@ def _dense_drafts(drafter, target, ids: list[int], k: int, causal: bool = False,
         return drafter.logits(out[0, 1:]).argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "layer-by-layer"])
 def test_each_step_drafts_what_a_dense_non_causal_pass_over_the_context_gives(llama_dir,
-                                                                             dflash_dir):
+                                                                             dflash_dir,
+                                                                             one_call):
     """Every proposal (cached context written step by step, one pass for the whole block, on
-    the CPU kernel) equals the dense formula; the same drafts with a causal block or without
-    the injected context differ, so the block really attends both ways and reads the context."""
+    the CPU kernel in one call or layer by layer) equals the dense formula; the same drafts
+    with a causal block or without the injected context differ, so the block really attends
+    both ways and reads the context."""
     llm = LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(dflash_dir, 6))
     target = load_model(llama_dir, torch.float32, torch.device("cpu"))
     drafter = dflash.read(dflash_dir, target)
     proposer = llm.engine.proposer
+    if not one_call:
+        proposer.forward = None
+    elif DEVICE == "cpu":
+        assert proposer.forward is not None
     propose, seen = proposer.propose, {"checked": 0, "causal": 0, "context": 0}
 
     def checked(batch):

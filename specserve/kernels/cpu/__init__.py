@@ -1,7 +1,6 @@
 """The compiled CPU kernel (kernel.c) and its ctypes binding; see README.md here."""
 
 from specserve.kernels.cpu.binding import (
-                                           GROUP,
                                            CpuLayer,
                                            HeadChain,
                                            LlamaChain,
@@ -21,7 +20,7 @@ from specserve.kernels.cpu.binding import (
                                            weight_mode,
 )
 
-__all__ = ["GROUP", "CpuLayer", "HeadChain", "LlamaChain", "LlamaForward",
+__all__ = ["CpuLayer", "HeadChain", "LlamaChain", "LlamaForward",
            "SharedMemoryAllReduce", "SharedMemoryChannel", "cpu_features",
            "cpu_flags", "kernel_step",
            "linear_rows", "load_library", "max_rows", "pack_weight",
