@@ -76,23 +76,31 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     pard = []
     monkeypatch.setattr(zoo, "train_pard", lambda cfg, draft, target, out, **k: pard.append(
         (draft.name, target.name, out.name, k["k"], k["depth_gamma"])) or 1.0)
-    calls, refreshed, shapes = [], [], []
+    calls, refreshed, shapes, inits = [], [], [], []
 
     def heads(outs, cfg, *a, **k):
         calls.append(cfg.steps)
         shapes.append((list(outs), k.get("k"), k.get("head_options")))
         refreshed.append((k.get("refresh_vocab", False), cfg.lr, cfg.seed, cfg.top1_weight))
+        inits.append(k.get("inits"))
         first = cfg.steps == min(s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st)
         return {m: {"skipped": "past"} if first else {"tau": 2.0} for m in outs}
 
     monkeypatch.setattr(zoo, "train_heads", heads)
     zoo.build_zoo(str(tmp_path / "models"), str(tmp_path / "work"))
-    late = [s for s, _, _ in zoo.DFLASH_STAGES] + [s for s, _ in zoo.PEAGLE_STAGES]
+    more = [s.steps for s in zoo.DFLASH_MORE]
+    late = [s for s, _, _ in zoo.DFLASH_STAGES] + more + [s for s, _ in zoo.PEAGLE_STAGES]
     assert calls == ([s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st]
                      + [s for s, _ in zoo.RETARGET_HEADS.values()]
                      + [s.steps for s in zoo.RETARGET_EAGLE3_MORE] + late)
     assert refreshed[-len(late) - len(zoo.RETARGET_EAGLE3_MORE):-len(late)] == [
         (s.refresh_vocab, s.lr, s.seed, s.top1_weight) for s in zoo.RETARGET_EAGLE3_MORE]
+    # DFlash's fine-tunes start from the drafter the stages before wrote, with their settings
+    n_peagle = len(zoo.PEAGLE_STAGES)
+    dfl = slice(-n_peagle - len(more), -n_peagle)
+    assert refreshed[dfl] == [(False, s.lr, s.seed, s.top1_weight) for s in zoo.DFLASH_MORE]
+    assert all(i and i["dflash"].name == "code-target-dflash" for i in inits[dfl])
+    assert inits[dfl.start - 1] is None
     out = capsys.readouterr().out
     assert "past" in out and "tau 2.00" in out
     assert pard == [("code-draft", "code-target", "code-draft-pard", zoo.PARD_K,
