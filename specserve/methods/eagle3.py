@@ -70,6 +70,7 @@ class Eagle3Head(StatefulHead):
         self.mask_token_id = mask_token_id
         self.mask_hidden = (None if mask_token_id is None else
                             nn.Parameter(torch.randn(1, num_aux * target_hidden) * 0.02))
+        self.depth_gamma: float | None = None      # training: P-EAGLE's copy weights (`loss`)
 
     def fuse_target(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         return self.fc(aux_hidden)
@@ -118,10 +119,10 @@ def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
              token_counts: np.ndarray | None = None, parallel: bool = False,
              depth_gamma: float | None = None) -> Eagle3Head:
     """A fresh head; with `draft_vocab` < the target's vocabulary it keeps the `draft_vocab`
-    target ids most frequent in `token_counts` [V] (as EAGLE-3 does); `depth_gamma`: a P-EAGLE
-    head's training weighs the draft d tokens ahead by exp(-(d-1) / depth_gamma) (`loss`;
-    default: all alike); `parallel`: a P-EAGLE
-    head, its mask token the lowest id unused in `token_counts`."""
+    target ids most frequent in `token_counts` [V] (as EAGLE-3 does); `parallel`: a P-EAGLE
+    head, its mask token the lowest id unused in `token_counts`; `depth_gamma`: its training
+    weighs the draft d tokens ahead by exp(-(d-1) / depth_gamma) (`loss`; default: all
+    alike)."""
     a = target.args
     n = min(draft_vocab or a.vocab_size, a.vocab_size)
     if parallel and token_counts is None:
@@ -214,7 +215,7 @@ def loss(head: Eagle3Head, x, pos, h, aux, logp, k: int, distill):
     if head.mask_hidden is not None:
         outs = parallel_drafts(head, x, aux, pos, k)
         kls = [distill(head.draft_logits(outs[:, c, c:]), logp[:, 1 + c:]) for c in range(k)]
-        w = depth_weights(k, getattr(head, "depth_gamma", None))
+        w = depth_weights(k, head.depth_gamma)
         total = sum(wc * kl for wc, kl in zip(w.tolist(), kls)) / w.sum().item()
         return total, {"kl": kls[0].item(), "kl_last": kls[-1].item(), "loss": total.item()}
     outs = unrolled_drafts(head, x, aux, pos, k)

@@ -57,9 +57,7 @@ class Backend:
         """A prepared stack's whole cached step (`embed_tokens`, every layer of `layers`, the
         final `norm`; `rotary` as it will stay) in one compiled call, or None (layer by layer).
         ids, positions [T], metadata, caches -> final hidden states [T, H]."""
-        if self.device.type != "cpu" or model_tensor(model).device.type != "cpu":
-            return None
-        return llama_forward(model)
+        return llama_forward(model) if self.device.type == "cpu" else None
 
     def describe(self, model: nn.Module) -> str:
         """Which path a prepared model's steps take (the engine logs it)."""

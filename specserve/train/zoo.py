@@ -225,9 +225,10 @@ DFLASH_STAGES: list[tuple[int, GeneratedData, int]] = [
     (3000, GREEDY, 32), (4000, dataclasses.replace(GREEDY, generated_share=0.5), 64)]
 # Then twice from the drafter, as EAGLE-3's later stages: more greedy continuations (60% of the
 # windows, from 4096 and then 8192 openings), other windows (seeds 1, 2), half the learning
-# rate, the cross-entropy to the target's top token added (`top1_weight`), 64 blocks a window.
-# Tau at K=7 (`bench latency`) went 2.27 -> 2.48 -> 2.56 on completion prompts and 2.37 ->
-# 3.00 -> 3.10 on editing prompts.
+# rate, the cross-entropy to the target's top token added (`top1_weight`), the last stage's
+# blocks per window. Tau at K=7 (`bench latency --methods dflash+k=7@DIR,...`, each stage's
+# drafter side by side) went 2.27 -> 2.48 -> 2.56 on completion prompts and 2.37 -> 3.00 ->
+# 3.10 on editing prompts.
 DFLASH_MORE: list[FineTune] = [
     FineTune(2000, dataclasses.replace(GREEDY, num_generated=n, generated_share=0.6),
              seed=seed, top1_weight=1.0) for n, seed in ((4096, 1), (8192, 2))]
@@ -249,7 +250,8 @@ def build_dflash(out: Path, work: Path, **kw) -> bool:
     for i, stage in enumerate(DFLASH_MORE):
         cfg = dflash_config(work / f"dflash-more{i + 1}", stage.steps, **kw)
         stages.append((dataclasses.replace(cfg, lr=stage.lr, warmup=20, seed=stage.seed,
-                                           top1_weight=stage.top1_weight), stage.gen, 64, d))
+                                           top1_weight=stage.top1_weight), stage.gen,
+                       DFLASH_STAGES[-1][2], d))
     for cfg, gen, anchors, init in stages:
         results = train_heads({"dflash": d}, cfg, target, k=DFLASH_BLOCK - 1, gen=gen,
                               inits={"dflash": init} if init else None,
