@@ -288,9 +288,10 @@ def loss(drafter: DFlashDrafter, x, pos, h, aux, logp, k: int, distill):
     rows = (anchors[:, :, None] + steps[:-1]).flatten(1)                     # [B, A*(Bk-1)]
     target = logp.gather(1, rows[..., None].expand(-1, -1, logp.shape[-1]))
     target = target.view(B, A, Bk - 1, -1)
-    logits = drafter.logits(out)
     w = loss_weights(Bk).to(x.device)
-    kls = [distill(logits[:, :, j], target[:, :, j]) for j in range(Bk - 1)]
+    # logits per block position: slicing [B, A, Bk-1, V] logits would back-propagate through
+    # a zero-filled copy of all of them per position
+    kls = [distill(drafter.logits(out[:, :, j]), target[:, :, j]) for j in range(Bk - 1)]
     total = sum(wj * kl for wj, kl in zip(w, kls)) / w.sum()
     return total, {"kl_first": kls[0].item(), "kl_last": kls[-1].item(), "loss": total.item()}
 
