@@ -32,9 +32,12 @@ from specserve.train.trainer import LossFn, TrainConfig, _positions
 
 
 def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_id: int,
-              kd_alpha: float, depth_gamma: float | None = None) -> LossFn:
+              kd_alpha: float, depth_gamma: float | None = None, top1_weight: float = 0.0
+              ) -> LossFn:
     """kd_alpha * KL(target || draft) + (1 - kd_alpha) * CE over the real rows and the k-1 mask
     copies of a batch [B, L + 1]; copy c's first c rows have no real context and are skipped.
+    `top1_weight` adds to the KL a cross-entropy to the target's most likely token (the only
+    draft greedy verification accepts), as the heads' recipes do.
     With `depth_gamma`, copy c's rows weigh exp(-c / depth_gamma) (as DFlash weighs its block
     positions): a small draft spends its capacity on the drafts that are accepted; PARD's own
     recipe weighs all copies alike."""
@@ -67,6 +70,9 @@ def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_i
             t_logp = F.log_softmax(teacher.compute_logits(teacher(x, _positions(x))).float(), -1)
         t_rows = t_logp[:, None].expand(B, k, L, -1)[:, valid]             # [B, n, V]
         kl_rows = F.kl_div(logp, t_rows, log_target=True, reduction="none").sum(-1)  # [B, n]
+        if top1_weight:
+            top1 = t_logp.argmax(-1)[:, None, :].expand(B, k, L)[:, valid]     # [B, n]
+            kl_rows = kl_rows - top1_weight * logp.gather(-1, top1[..., None]).squeeze(-1)
         kl = (kl_rows * w).sum() / B
         return kd_alpha * kl + (1 - kd_alpha) * ce, {
             "loss": ce.item(), "kl": kl.item(), "ce_copy0": nll[:, copy == 0].mean().item(),
@@ -100,7 +106,8 @@ def train_pard(cfg: TrainConfig, draft_dir: Path, target_dir: Path, out: Path, k
     print(f"pard: {model.num_parameters() / 1e6:.2f}M-parameter draft, K = {k}, mask token "
           f"{mask_id}", flush=True)
     bpb = train_and_export(model, train_ids, (val_ids, val_bytes), cfg, device,
-                           pard_loss(model, teacher, k, mask_id, cfg.kd_alpha, depth_gamma),
+                           pard_loss(model, teacher, k, mask_id, cfg.kd_alpha, depth_gamma,
+                                     cfg.top1_weight),
                            target_dir, out)
     if bpb != bpb:
         return bpb

@@ -43,8 +43,8 @@ class TrainConfig:
     threads: int | None = field(default=None, metadata={"help": "torch CPU threads"})
     kd_alpha: float = field(default=1.0, metadata={"help": "distillation: weight of KL vs CE"})
     top1_weight: float = field(default=0.0, metadata={
-        "help": "heads: weight of a cross-entropy to the target's most likely token, added to "
-                "the KL (raises greedy acceptance; the logged kl values include it)"})
+        "help": "heads and PARD: weight of a cross-entropy to the target's most likely token, "
+                "added to the KL (raises greedy acceptance; the logged kl values include it)"})
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "ckpt_every", "eval_every"):

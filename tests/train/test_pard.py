@@ -66,3 +66,29 @@ def test_depth_weights_count_each_copy_as_asked(tiny_lm):
     w1 = math.exp(-1 / 2.0)
     torch.testing.assert_close(decayed, (n0 * first + n1 * w1 * second) / (n0 + n1 * w1))
     assert abs(float(second - first)) > 1e-3      # the copies differ: the weights matter
+
+
+def test_top1_weight_adds_the_cross_entropy_to_the_targets_top_token(tiny_lm):
+    """On the real rows alone (a tiny depth gamma) pard_loss with top1_weight is the heads'
+    distillation loss: KL to the target plus the cross-entropy to its most likely token."""
+    import torch
+
+    from specserve.models.loader import load_model
+    from specserve.train.heads import _distill
+    from specserve.train.pard import pard_loss
+    from specserve.train.trainer import _positions
+    target, _, _ = tiny_lm
+    draft = load_model(target, torch.float32, torch.device("cpu"))
+    teacher = load_model(target, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(1.5)
+    xy = torch.randint(3, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    x = xy[:, :-1]
+    with torch.no_grad():
+        got, _ = pard_loss(draft, teacher, 2, 399, 1.0, depth_gamma=1e-6, top1_weight=0.7)(xy)
+        plain, _ = pard_loss(draft, teacher, 2, 399, 1.0, depth_gamma=1e-6)(xy)
+        logits = draft.compute_logits(draft(x, _positions(x)))
+        t_logp = torch.log_softmax(teacher.compute_logits(teacher(x, _positions(x))), -1)
+        want = _distill(logits, t_logp, top1_weight=0.7)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert float(got - plain) > 1e-3
