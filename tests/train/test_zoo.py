@@ -75,7 +75,8 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(zoo, "train_draft", lambda *a, **k: 1.0)
     pard = []
     monkeypatch.setattr(zoo, "train_pard", lambda cfg, draft, target, out, **k: pard.append(
-        (draft.name, target.name, out.name, k["k"], k["depth_gamma"])) or 1.0)
+        (draft.name, target.name, out.name, k["k"], k["depth_gamma"], cfg.lr, cfg.seed,
+         cfg.top1_weight)) or 1.0)
     calls, refreshed, shapes, inits = [], [], [], []
 
     def heads(outs, cfg, *a, **k):
@@ -103,9 +104,13 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     assert inits[dfl.start - 1] is None
     out = capsys.readouterr().out
     assert "past" in out and "tau 2.00" in out
+    # PARD's stages adapt the draft; its fine-tunes start from what they wrote
+    pard_cfg = zoo.pard_config(tmp_path, 1)
     assert pard == [("code-draft", "code-target", "code-draft-pard", zoo.PARD_K,
-                     zoo.PARD_DEPTH_GAMMA)] * len(
-        zoo.PARD_STAGES)
+                     zoo.PARD_DEPTH_GAMMA, pard_cfg.lr, pard_cfg.seed, 0.0)] * len(
+        zoo.PARD_STAGES) + [("code-draft-pard", "code-target", "code-draft-pard", zoo.PARD_K,
+                             zoo.PARD_DEPTH_GAMMA, s.lr, s.seed, s.top1_weight)
+                            for s in zoo.PARD_MORE]
     assert shapes[-len(zoo.PEAGLE_STAGES):] == [(["eagle3"], zoo.PEAGLE_K, {
         "parallel": True, "depth_gamma": zoo.PEAGLE_DEPTH_GAMMA})] * len(zoo.PEAGLE_STAGES)
 
