@@ -112,13 +112,19 @@ RETARGET_HEADS: dict[tuple[str, ...], tuple[int, GeneratedData]] = {
 
 
 class FineTune(NamedTuple):
-    """A stage that starts from the head it improves (a fresh schedule, not a resume)."""
+    """A stage that starts from the model it improves (a fresh schedule, not a resume)."""
     steps: int
     gen: GeneratedData
     refresh_vocab: bool = False     # the draft vocabulary afresh from this stage's text
     lr: float = HEAD_LR / 2
     seed: int = 0                   # another seed draws other training windows
     top1_weight: float = 0.0        # TrainConfig.top1_weight
+
+    def config(self, cfg: TrainConfig) -> TrainConfig:
+        """`cfg` (the recipe's, for this stage's steps) with this stage's settings and a short
+        warmup (the weights are trained already)."""
+        return dataclasses.replace(cfg, lr=self.lr, warmup=20, seed=self.seed,
+                                   top1_weight=self.top1_weight)
 
 
 # Then EAGLE-3 seven times more, each stage from the previous head, at the same learning rate (the
@@ -176,10 +182,8 @@ def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
     e3 = Path(head_dir(out, "eagle3"))
     for i, stage in enumerate(RETARGET_EAGLE3_MORE):
         # stage 0 keeps the work directory it had as the only stage
-        cfg = head_config(work / ("more" if i == 0 else f"more{i + 1}"), ("eagle3",),
-                          stage.steps, **kw)
-        cfg = dataclasses.replace(cfg, lr=stage.lr, warmup=20, seed=stage.seed,
-                                  top1_weight=stage.top1_weight)
+        cfg = stage.config(head_config(work / ("more" if i == 0 else f"more{i + 1}"),
+                                       ("eagle3",), stage.steps, **kw))
         results = train_heads({"eagle3": e3}, cfg, out, gen=stage.gen, inits={"eagle3": e3},
                               refresh_vocab=stage.refresh_vocab, **HEAD_RECIPES[("eagle3",)][1])
         if not all(results.values()):
@@ -195,18 +199,20 @@ def retarget(out: str | Path, work: str | Path, prev: str | Path, **kw) -> bool:
 PARD_STAGES: list[tuple[int, GeneratedData]] = [(600, GREEDY), (1800, GREEDY)]
 PARD_K = 4
 PARD_DEPTH_GAMMA = 2.0
+PARD_LR = 1e-3
 # Then twice from that draft, as EAGLE-3's and DFlash's later stages: more greedy continuations
 # (60% of the windows, from 8192 openings), other windows (seeds 1, 2), half the learning rate,
 # the cross-entropy to the target's top token added. Tau at K=4 (`bench latency`, side by side)
 # went 2.02 -> 2.29 on completion prompts and 2.00 -> 2.33 on editing prompts.
 PARD_MORE: list[FineTune] = [
     FineTune(3000, dataclasses.replace(GREEDY, num_generated=8192, generated_share=0.6),
-             lr=5e-4, seed=seed, top1_weight=1.0) for seed in (1, 2)]
+             lr=PARD_LR / 2, seed=seed, top1_weight=1.0) for seed in (1, 2)]
 
 
 def pard_config(work: Path, steps: int, **kw) -> TrainConfig:
     return TrainConfig(work_dir=str(work / "code-draft-pard"), steps=steps, batch_size=4,
-                       seq_len=256, lr=1e-3, warmup=20, eval_every=steps, ckpt_every=50, **kw)
+                       seq_len=256, lr=PARD_LR, warmup=20, eval_every=steps, ckpt_every=50,
+                       **kw)
 
 
 def build_pard(out: Path, work: Path, **kw) -> float:
@@ -215,9 +221,8 @@ def build_pard(out: Path, work: Path, **kw) -> float:
     stages = [(pard_config(work, steps, **kw), gen, out / "code-draft")
               for steps, gen in PARD_STAGES]
     for i, stage in enumerate(PARD_MORE):
-        cfg = pard_config(work / f"pard-more{i + 1}", stage.steps, **kw)
-        stages.append((dataclasses.replace(cfg, lr=stage.lr, seed=stage.seed,
-                                           top1_weight=stage.top1_weight), stage.gen, pard))
+        cfg = stage.config(pard_config(work / f"pard-more{i + 1}", stage.steps, **kw))
+        stages.append((cfg, stage.gen, pard))
     for cfg, gen, init in stages:
         bpb = train_pard(cfg, init, out / "code-target", pard, k=PARD_K, gen=gen,
                          depth_gamma=PARD_DEPTH_GAMMA)
@@ -261,10 +266,8 @@ def build_dflash(out: Path, work: Path, **kw) -> bool:
     stages = [(dflash_config(work, steps, **kw), gen, anchors, None)
               for steps, gen, anchors in DFLASH_STAGES]
     for i, stage in enumerate(DFLASH_MORE):
-        cfg = dflash_config(work / f"dflash-more{i + 1}", stage.steps, **kw)
-        stages.append((dataclasses.replace(cfg, lr=stage.lr, warmup=20, seed=stage.seed,
-                                           top1_weight=stage.top1_weight), stage.gen,
-                       DFLASH_STAGES[-1][2], d))
+        cfg = stage.config(dflash_config(work / f"dflash-more{i + 1}", stage.steps, **kw))
+        stages.append((cfg, stage.gen, DFLASH_STAGES[-1][2], d))
     for cfg, gen, anchors, init in stages:
         results = train_heads({"dflash": d}, cfg, target, k=DFLASH_BLOCK - 1, gen=gen,
                               inits={"dflash": init} if init else None,
