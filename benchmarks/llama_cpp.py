@@ -14,7 +14,8 @@ greedy). Not a test; CI does not run it.
    - llama.cpp speculative: `llama-speculative-simple` with the draft (greedy, draft-max K),
      the median over the held-out completion prompts of its "decoded ... t/s";
    - specserve: the median over the same prompts of the time per output token after the first
-     (no-spec, draft_model and eagle3; bfloat16 beside BF16, int8 beside Q8_0).
+     (no-spec, draft_model and eagle3; bfloat16 beside BF16, int8 beside Q8_0, the drafter's
+     weights in the same precision as the target's, as llama.cpp's draft GGUF).
 Writes runs/llama_cpp/llama-cpp-DATE.{json,md}; with --publish, benchmarks/latest/llama-cpp.*
 and a line in benchmarks/HISTORY.md.
 """
@@ -44,9 +45,11 @@ REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "runs" / "llama.cpp"
 PACKAGE = "llama-cpp-python"
 TOOLS = ("llama-bench", "llama-speculative-simple")
-# the specserve side's quantization beside each GGUF type
-PRECISIONS = {"bf16": {"dtype": "bfloat16"},
-              "q8_0": {"dtype": "bfloat16", "quantization": "int8"}}
+# the specserve side beside each GGUF type: the LLM's arguments and the speculative_config
+# keys that put the drafter's weights in the same precision (llama.cpp drafts with the draft
+# GGUF of that type)
+PRECISIONS = {"bf16": ({"dtype": "bfloat16"}, {}),
+              "q8_0": ({"dtype": "bfloat16", "quantization": "int8"}, {"quantization": "int8"})}
 
 
 def run(cmd: list[str], **kw) -> str:
@@ -193,7 +196,7 @@ def main() -> None:
     prompts = PROMPT_SETS["completion"](a.num_prompts)
     models: dict[str, dict] = {}
     bundled: dict[str, dict] = {}
-    for outtype, precision in PRECISIONS.items():
+    for outtype, (precision, drafter) in PRECISIONS.items():
         t, d = gguf(src, a.target, outtype), gguf(src, a.draft, outtype)
         bundled[outtype] = {
             "no speculation": {
@@ -202,11 +205,13 @@ def main() -> None:
             f"draft model (code-draft), K={a.k}": {
                 "llama.cpp": llama_speculative(t, d, prompts, a.tokens, a.k, a.threads),
                 "specserve": specserve_decode(a.target, {
-                    "method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k},
+                    "method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k,
+                    **drafter},
                     precision, prompts, a.tokens)},
             f"EAGLE-3 head, K={a.k} (specserve only)": {
                 "specserve": specserve_decode(a.target, {
-                    "method": "eagle3", "model": a.head, "num_speculative_tokens": a.k},
+                    "method": "eagle3", "model": a.head, "num_speculative_tokens": a.k,
+                    **drafter},
                     precision, prompts, a.tokens)}}
     models[f"bundled pair ({a.target}, {a.draft})"] = bundled
     if a.random:
@@ -214,7 +219,7 @@ def main() -> None:
         models[f"random:{a.random} (memory-bound)"] = {outtype: {"no speculation": {
             "llama.cpp": llama_plain(gguf(src, target, outtype), a.tokens, a.threads),
             "specserve": specserve_decode(target, None, precision, prompts[:2], a.tokens)}}
-            for outtype, precision in PRECISIONS.items()}
+            for outtype, (precision, _) in PRECISIONS.items()}
     data = {"benchmark": "llama-cpp", "title": "specserve against llama.cpp (CPU, same weights)",
             "command": "python benchmarks/llama_cpp.py " + " ".join(sys.argv[1:]),
             "machine": machine(a.threads),
