@@ -13,7 +13,8 @@ rows fit the kernel.
 With `parallel_drafting` (P-EAGLE) each drafting request's ingest rows continue, in the same
 pass, with K-1 mask rows (the mask token on the head's learned mask state): the outputs of its
 last pair and of the masks give all K drafts. The masks' KV lies past the verified positions,
-where the next step's pairs are written before anything reads it.
+where the next step's pairs are written before anything reads it. On the CPU kernel that pass
+is the C chain's ingest, each of the K rows a chain of one draft (greedy drafting).
 
 While no request drafts (K = 0 by `disable_by_batch_size` or `adaptive_k`), ingestion waits:
 the target features of each step are kept per request and fed in one pass when drafting
@@ -67,10 +68,10 @@ class HeadProposer(ProposerBase):
             with torch.inference_mode():
                 self.mask_state = self.head.mask_state()                      # [1, H]
         self.aux_hidden_layers = tuple(getattr(self.head, "aux_layers", ()))
-        # greedy chains in one compiled call where the head has one (on the CPU kernel)
+        # greedy chains (and P-EAGLE's pass) in one compiled call where the head has one (on
+        # the CPU kernel)
         self.chain = (ctx.backend.chain(self.head, self.cache.layers)
-                      if self.tree is None and self.num_layers == 1 and not self.parallel
-                      else None)
+                      if self.tree is None and self.num_layers == 1 else None)
         self.num_verified: dict[str, int] = {}      # head positions holding target pairs
         # request id -> target feature rows [n, F] for the positions after num_verified
         self.pending: dict[str, list[torch.Tensor]] = {}
@@ -171,8 +172,21 @@ class HeadProposer(ProposerBase):
             states += [h[lo:lo + len(ts)], self.mask_state.expand(m, -1)]
             lo, n = lo + len(ts), n + len(ts) + m
             rows[id(r)] = range(n - m - 1, n)                     # its last pair, its masks
+        picked = [i for r in drafting for i in rows[id(r)]]
+        if (self.chain is not None and not self.threshold
+                and max(n, len(picked)) <= max_rows(self.chain.lib)):
+            # The C chain's ingest is this pass; each picked row is a chain of one draft (its
+            # greedy token, nothing fed after it).
+            positions = [p + i for p, ts in zip(starts, toks) for i in range(len(ts))]
+            flat = [d for (d,) in self.chain.after_ingest(
+                [t for ts in toks for t in ts], torch.cat(states),
+                [r.slot for r, ts in zip(reqs, toks) for _ in ts], positions, picked,
+                [positions[i] + 1 for i in picked],
+                [r.slot for r, b in zip(drafting, budgets) for _ in range(b)], [1] * len(picked))]
+            ends = itertools.accumulate(budgets)
+            return [Proposal(flat[e - b:e]) for b, e in zip(budgets, ends)]
         out = self._run(reqs, toks, torch.cat(states), starts)               # [T + masks, H]
-        picks = torch.tensor([i for r in drafting for i in rows[id(r)]], device=self.device)
+        picks = torch.tensor(picked, device=self.device)
         logits = self.head.logits(out[picks]).float()                        # [sum(budgets), V]
         return drafts_from_rows(logits, budgets, drafting, False, self.threshold)
 

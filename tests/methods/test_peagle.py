@@ -71,17 +71,25 @@ def _dense_drafts(head, target, ids: list[int], k: int) -> list[int]:
         return head.logits(out[q - 1:]).argmax(-1).tolist()
 
 
-def test_one_pass_per_step_and_the_masks_kv_is_never_context(llama_dir, peagle_dir):
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_one_pass_per_step_and_the_masks_kv_is_never_context(llama_dir, peagle_dir,
+                                                            cpu_kernel):
     """Every proposal (pairs ingested step by step into the head's cache, masks on top)
     equals the dense causal pass over the whole context: had a step's mask KV been kept as
-    context, later drafts would differ."""
-    llm = LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(peagle_dir, 4))
+    context, later drafts would differ. On the CPU kernel the pass is one C call (the chain's
+    ingest, a one-draft chain from each picked row); without it, the PyTorch head."""
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(peagle_dir, 4),
+              cpu_kernel=cpu_kernel)
     target = load_model(llama_dir, torch.float32, torch.device("cpu"))
     head = eagle3.read(peagle_dir, target)
     proposer = llm.engine.proposer
+    assert (proposer.chain is not None) == (cpu_kernel and DEVICE == "cpu")
     passes, checked = [], [0]
     run = proposer._run
     proposer._run = lambda *a, **kw: passes.append(1) or run(*a, **kw)
+    if proposer.chain is not None:
+        ingest = proposer.chain.after_ingest
+        proposer.chain.after_ingest = lambda *a, **kw: passes.append(1) or ingest(*a, **kw)
     propose = proposer.propose
 
     def checked_propose(batch):
