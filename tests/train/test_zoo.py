@@ -90,14 +90,16 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(zoo, "train_heads", heads)
     zoo.build_zoo(str(tmp_path / "models"), str(tmp_path / "work"))
     more = [s.steps for s in zoo.DFLASH_MORE]
-    late = [s for s, _, _ in zoo.DFLASH_STAGES] + more + [s for s, _ in zoo.PEAGLE_STAGES]
+    pe_more = [s.steps for s in zoo.PEAGLE_MORE]
+    late = ([s for s, _, _ in zoo.DFLASH_STAGES] + more + [s for s, _ in zoo.PEAGLE_STAGES]
+            + pe_more)
     assert calls == ([s for _, _, st in zoo.HEAD_RECIPES.values() for s, _ in st]
                      + [s for s, _ in zoo.RETARGET_HEADS.values()]
                      + [s.steps for s in zoo.RETARGET_EAGLE3_MORE] + late)
     assert refreshed[-len(late) - len(zoo.RETARGET_EAGLE3_MORE):-len(late)] == [
         (s.refresh_vocab, s.lr, s.seed, s.top1_weight) for s in zoo.RETARGET_EAGLE3_MORE]
     # DFlash's fine-tunes start from the drafter the stages before wrote, with their settings
-    n_peagle = len(zoo.PEAGLE_STAGES)
+    n_peagle = len(zoo.PEAGLE_STAGES) + len(pe_more)
     dfl = slice(-n_peagle - len(more), -n_peagle)
     assert refreshed[dfl] == [(False, s.lr, s.seed, s.top1_weight) for s in zoo.DFLASH_MORE]
     assert all(i and i["dflash"].name == "code-target-dflash" for i in inits[dfl])
@@ -111,8 +113,13 @@ def test_zoo_build_goes_on_past_skipped_head_stages(monkeypatch, tmp_path, capsy
         zoo.PARD_STAGES) + [("code-draft-pard", "code-target", "code-draft-pard", zoo.PARD_K,
                              zoo.PARD_DEPTH_GAMMA, s.lr, s.seed, s.top1_weight)
                             for s in zoo.PARD_MORE]
-    assert shapes[-len(zoo.PEAGLE_STAGES):] == [(["eagle3"], zoo.PEAGLE_K, {
-        "parallel": True, "depth_gamma": zoo.PEAGLE_DEPTH_GAMMA})] * len(zoo.PEAGLE_STAGES)
+    assert shapes[-n_peagle:] == [(["eagle3"], zoo.PEAGLE_K, {
+        "parallel": True, "depth_gamma": zoo.PEAGLE_DEPTH_GAMMA})] * n_peagle
+    # P-EAGLE starts from the EAGLE-3 head; its fine-tunes from what the stage before wrote
+    assert [i["eagle3"].name for i in inits[-n_peagle:]] == ["code-target-eagle3"] * len(
+        zoo.PEAGLE_STAGES) + ["code-target-eagle3-parallel"] * len(pe_more)
+    assert refreshed[-len(pe_more):] == [(False, s.lr, s.seed, s.top1_weight)
+                                         for s in zoo.PEAGLE_MORE]
 
 
 def test_the_manifest_lists_every_bundled_file_as_it_is():
