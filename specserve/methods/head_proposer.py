@@ -173,19 +173,19 @@ class HeadProposer(ProposerBase):
             lo, n = lo + len(ts), n + len(ts) + m
             rows[id(r)] = range(n - m - 1, n)                     # its last pair, its masks
         picked = [i for r in drafting for i in rows[id(r)]]
-        if (self.chain is not None and not self.threshold
-                and max(n, len(picked)) <= max_rows(self.chain.lib)):
+        states = torch.cat(states)                                           # [n, H]
+        if self.chain is not None and not self.threshold and n <= max_rows(self.chain.lib):
             # The C chain's ingest is this pass; each picked row is a chain of one draft (its
             # greedy token, nothing fed after it).
             positions = [p + i for p, ts in zip(starts, toks) for i in range(len(ts))]
             flat = [d for (d,) in self.chain.after_ingest(
-                [t for ts in toks for t in ts], torch.cat(states),
+                [t for ts in toks for t in ts], states,
                 [r.slot for r, ts in zip(reqs, toks) for _ in ts], positions, picked,
                 [positions[i] + 1 for i in picked],
                 [r.slot for r, b in zip(drafting, budgets) for _ in range(b)], [1] * len(picked))]
             ends = itertools.accumulate(budgets)
             return [Proposal(flat[e - b:e]) for b, e in zip(budgets, ends)]
-        out = self._run(reqs, toks, torch.cat(states), starts)               # [T + masks, H]
+        out = self._run(reqs, toks, states, starts)                          # [n, H]
         picks = torch.tensor(picked, device=self.device)
         logits = self.head.logits(out[picks]).float()                        # [sum(budgets), V]
         return drafts_from_rows(logits, budgets, drafting, False, self.threshold)

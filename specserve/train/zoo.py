@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -128,6 +129,14 @@ class FineTune(NamedTuple):
                                    top1_weight=self.top1_weight)
 
 
+def fine_tunes(stages: list[FineTune], recipe: Callable[..., TrainConfig], work: Path,
+               name: str, **kw) -> list[tuple[TrainConfig, FineTune]]:
+    """Each fine-tune with its config: `recipe(work dir, steps, **kw)` in
+    `<work>/<name>-more<i>`, with the stage's settings."""
+    return [(s.config(recipe(work / f"{name}-more{i + 1}", s.steps, **kw)), s)
+            for i, s in enumerate(stages)]
+
+
 # Then EAGLE-3 seven times more, each stage from the previous head, at the same learning rate (the
 # last two lower), on more of the target's greedy continuations (every training file's opening,
 # then later lines of them): half its windows from 4096 of them, tau at K=4 (`bench latency`)
@@ -221,9 +230,8 @@ def build_pard(out: Path, work: Path, **kw) -> float:
     pard = out / "code-draft-pard"
     stages = [(pard_config(work, steps, **kw), gen, out / "code-draft")
               for steps, gen in PARD_STAGES]
-    for i, stage in enumerate(PARD_MORE):
-        cfg = stage.config(pard_config(work / f"pard-more{i + 1}", stage.steps, **kw))
-        stages.append((cfg, stage.gen, pard))
+    stages += [(cfg, s.gen, pard)
+               for cfg, s in fine_tunes(PARD_MORE, pard_config, work, "pard", **kw)]
     for cfg, gen, init in stages:
         bpb = train_pard(cfg, init, out / "code-target", pard, k=PARD_K, gen=gen,
                          depth_gamma=PARD_DEPTH_GAMMA)
@@ -266,9 +274,8 @@ def build_dflash(out: Path, work: Path, **kw) -> bool:
     d = Path(head_dir(target, "dflash"))
     stages = [(dflash_config(work, steps, **kw), gen, anchors, None)
               for steps, gen, anchors in DFLASH_STAGES]
-    for i, stage in enumerate(DFLASH_MORE):
-        cfg = stage.config(dflash_config(work / f"dflash-more{i + 1}", stage.steps, **kw))
-        stages.append((cfg, stage.gen, DFLASH_STAGES[-1][2], d))
+    stages += [(cfg, s.gen, DFLASH_STAGES[-1][2], d)
+               for cfg, s in fine_tunes(DFLASH_MORE, dflash_config, work, "dflash", **kw)]
     for cfg, gen, anchors, init in stages:
         results = train_heads({"dflash": d}, cfg, target, k=DFLASH_BLOCK - 1, gen=gen,
                               inits={"dflash": init} if init else None,
@@ -311,9 +318,8 @@ def build_peagle(out: Path, work: Path, **kw) -> bool:
     e3 = Path(head_dir(target, "eagle3"))
     pe = Path(f"{e3}-parallel")
     stages = [(peagle_config(work, steps, **kw), gen, e3) for steps, gen in PEAGLE_STAGES]
-    for i, stage in enumerate(PEAGLE_MORE):
-        cfg = stage.config(peagle_config(work / f"peagle-more{i + 1}", stage.steps, **kw))
-        stages.append((cfg, stage.gen, pe))
+    stages += [(cfg, s.gen, pe)
+               for cfg, s in fine_tunes(PEAGLE_MORE, peagle_config, work, "peagle", **kw)]
     for cfg, gen, init in stages:
         results = train_heads({"eagle3": pe}, cfg, target, k=PEAGLE_K, gen=gen,
                               inits={"eagle3": init},

@@ -86,16 +86,18 @@ def test_one_pass_per_step_and_the_masks_kv_is_never_context(llama_dir, peagle_d
     assert (proposer.chain is not None) == (cpu_kernel and DEVICE == "cpu")
     passes, checked = [], [0]
     run = proposer._run
-    proposer._run = lambda *a, **kw: passes.append(1) or run(*a, **kw)
+    proposer._run = lambda *a, **kw: passes.append("pytorch") or run(*a, **kw)
     if proposer.chain is not None:
         ingest = proposer.chain.after_ingest
-        proposer.chain.after_ingest = lambda *a, **kw: passes.append(1) or ingest(*a, **kw)
+        proposer.chain.after_ingest = lambda *a, **kw: passes.append("C") or ingest(*a, **kw)
     propose = proposer.propose
 
     def checked_propose(batch):
         n = len(passes)
         out = propose(batch)
         assert len(passes) == n + 1                        # ingest and all K drafts: one pass
+        if batch.requests:                                 # a drafting pass, where expected
+            assert passes[-1] == ("C" if proposer.chain is not None else "pytorch")
         for r, p, k in zip(batch.requests, out, batch.max_num_tokens):
             assert p.token_ids == _dense_drafts(head, target, list(r.all_token_ids), k)
             checked[0] += 1
