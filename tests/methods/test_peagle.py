@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specserve import LLM, TokensPrompt
+from specserve.kernels.cpu.binding import max_rows
 from specserve.methods import eagle3
 from specserve.models.loader import load_model
 from tests.conftest import DEVICE
@@ -84,20 +85,25 @@ def test_one_pass_per_step_and_the_masks_kv_is_never_context(llama_dir, peagle_d
     head = eagle3.read(peagle_dir, target)
     proposer = llm.engine.proposer
     assert (proposer.chain is not None) == (cpu_kernel and DEVICE == "cpu")
-    passes, checked = [], [0]
+    passes, checked = [], [0]                              # passes: (which, rows)
     run = proposer._run
-    proposer._run = lambda *a, **kw: passes.append("pytorch") or run(*a, **kw)
+    proposer._run = lambda *a, **kw: passes.append(("pytorch", len(a[2]))) or run(*a, **kw)
     if proposer.chain is not None:
         ingest = proposer.chain.after_ingest
-        proposer.chain.after_ingest = lambda *a, **kw: passes.append("C") or ingest(*a, **kw)
+        proposer.chain.after_ingest = (
+            lambda *a, **kw: passes.append(("C", len(a[0]))) or ingest(*a, **kw))
     propose = proposer.propose
+    # the C pass takes every pass within the kernel's row limit (512 rows with AVX-512, 48
+    # with AVX2), PyTorch the longer ones
+    limit = max_rows(proposer.chain.lib) if proposer.chain is not None else 0
 
     def checked_propose(batch):
         n = len(passes)
         out = propose(batch)
         assert len(passes) == n + 1                        # ingest and all K drafts: one pass
         if batch.requests:                                 # a drafting pass, where expected
-            assert passes[-1] == ("C" if proposer.chain is not None else "pytorch")
+            which, rows = passes[-1]
+            assert which == ("C" if rows <= limit else "pytorch")
         for r, p, k in zip(batch.requests, out, batch.max_num_tokens):
             assert p.token_ids == _dense_drafts(head, target, list(r.all_token_ids), k)
             checked[0] += 1
@@ -107,6 +113,7 @@ def test_one_pass_per_step_and_the_masks_kv_is_never_context(llama_dir, peagle_d
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(3, seed=6)]
     llm.generate(ps, _greedy(24), use_tqdm=False)
     assert checked[0] > 10
+    assert any(w == "C" for w, _ in passes) == (proposer.chain is not None)
 
 
 def test_the_training_layout_is_what_inference_sees(llama_dir, peagle_dir):
