@@ -38,6 +38,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.bench.probes import machine
 from specserve.bench.random_models import resolve
+from specserve.bench.report import published_suffix
 from specserve.data.prompts import PROMPT_SETS
 from specserve.kernels.cpu import cpu_flags
 
@@ -233,9 +234,9 @@ def main() -> None:
     (out / f"{stem}.md").write_text(table + "\n")
     print(table)
     if a.publish:
-        latest = REPO / "benchmarks" / "latest"
-        (latest / "llama-cpp.json").write_text(json.dumps(data, indent=2) + "\n")
-        (latest / "llama-cpp.md").write_text(table + "\n")
+        latest = REPO / "benchmarks" / "latest" / f"llama-cpp{published_suffix(data['machine'])}"
+        latest.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+        latest.with_suffix(".md").write_text(table + "\n")
         ratios = "; ".join(f"{name}: " + ", ".join(
             f"{prec} {cfg.split(',')[0]} {v['specserve'] / v['llama.cpp']:.2f}x"
             for prec, cfgs in rows.items() for cfg, v in cfgs.items()

@@ -196,10 +196,12 @@ def _latency_run() -> dict:
     for r, speed in zip(suite, (100.0, 200.0, 50.0)):     # timings of fake runners are noise
         r["median_tokens_per_s"] = speed
     return {"benchmark": "latency", "title": "t", "command": "specserve bench latency x",
-            "machine": machine(), "settings": {"target": "T", "draft": "D", "dtypes": ["float32"],
-                                               "temperature": 0.0, "num_prompts": 2,
-                                               "max_tokens": 3, "rounds": 2,
-                                               "speculative_config_extra": None, "configs": {}},
+            # whatever this CPU is, the run is named as the AVX-512 CPU's
+            "machine": machine() | {"isa": "avx512"},
+            "settings": {"target": "T", "draft": "D", "dtypes": ["float32"],
+                         "temperature": 0.0, "num_prompts": 2,
+                         "max_tokens": 3, "rounds": 2, "speculative_config_extra": None,
+                         "configs": {}},
             "bandwidth_gbs": 10.0, "weight_bytes": 10**7, "weight_bytes_streamed": 5 * 10**6,
             "decode_ms_per_token": {"specserve no-spec": 1.0},
             "prompt_ms": {"lengths": [64], "by_config": {"specserve no-spec": [5.0]}},
@@ -246,10 +248,14 @@ def test_gpu_and_built_target_runs_publish_beside_the_cpu_run(tmp_path, monkeypa
                            ("cpu", "padded:models/code-target,inter=32768")):
         data["settings"] |= {"device": device, "target": target}
         report.publish_run(data)
+    data["machine"]["isa"] = "avx2"                 # a CPU without AVX-512: beside it too
+    data["settings"] |= {"device": "cpu", "target": "T"}
+    report.publish_run(data)
     assert sorted(p.stem for p in (tmp_path / "latest").glob("*.json")) == [
-        "latency", "latency-cuda", "latency-hidden-64-layers-2-inter-128-heads-4-kv-2",
-        "latency-llama-3-2-1b", "latency-padded-code-target-inter-32768"]
-    assert len((tmp_path / "HISTORY.md").read_text().splitlines()) == 5
+        "latency", "latency-avx2", "latency-cuda",
+        "latency-hidden-64-layers-2-inter-128-heads-4-kv-2", "latency-llama-3-2-1b",
+        "latency-padded-code-target-inter-32768"]
+    assert len((tmp_path / "HISTORY.md").read_text().splitlines()) == 6
 
 
 def test_specserve_runner_times_each_request_after_its_first_token(llama_dir):

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from specserve.inputs import TokensPrompt
+from specserve.kernels.cpu import cpu_flags
 from specserve.llm import LLM
 from specserve.models.metadata import build_metadata
 from specserve.sampling_params import SamplingParams
@@ -137,9 +138,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+def vector_isa() -> str:
+    """The widest vector instruction set the CPU kernel is built for here: "avx512", "avx2",
+    or else the architecture's name."""
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if "avx2" in flags else platform.machine()
+
+
 def machine(threads: int | None = None, device: str = "cpu") -> dict:
     """The machine a run was taken on (runs on different machines are not comparable)."""
-    out = {"cpu": cpu_name(), "arch": platform.machine(), "cpus": os.cpu_count(),
+    out = {"cpu": cpu_name(), "arch": platform.machine(), "isa": vector_isa(),
+           "cpus": os.cpu_count(),
            "torch_threads": threads or torch.get_num_threads(), "torch": torch.__version__,
            "date": datetime.date.today().isoformat(), "commit": git_commit()}
     if torch.device(device).type == "cuda":

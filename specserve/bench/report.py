@@ -43,7 +43,7 @@ def publish_run(data: dict) -> str:
     run on the zoo) and add its line to HISTORY.md; returns the JSON's path."""
     s = data["settings"]
     device = torch.device(s.get("device", "cpu")).type
-    name = data["benchmark"] + ("" if device == "cpu" else f"-{device}")
+    name = data["benchmark"] + published_suffix(data["machine"], device)
     target = s.get("target", "")
     if target.startswith(("random:", "padded:")):
         built = target.removeprefix("random:").replace("models/", "")
@@ -52,6 +52,14 @@ def publish_run(data: dict) -> str:
     with HISTORY.open("a") as f:
         f.write(history_line(data) + "\n")
     return path
+
+
+def published_suffix(machine: dict, device: str = "cpu") -> str:
+    """What tells a published run's name from the AVX-512 CPU's (the set README cites): the
+    GPU's device type, or another CPU's vector instruction set ("-avx2")."""
+    if device != "cpu":
+        return f"-{device}"
+    return "" if machine.get("isa", "avx512") == "avx512" else f"-{machine['isa']}"
 
 
 def _write(data: dict, directory: Path, stem: str) -> dict[str, str]:
@@ -69,8 +77,8 @@ def _header(data: dict) -> list[str]:
     m = data["machine"]
     gpu = f"{m['gpu']} (CUDA {m['cuda']}) with " if "gpu" in m else ""
     return [f"## {data['title']}", "",
-            f"- {m['date']}, commit {m['commit']}; {gpu}{m['cpu']} ({m['arch']}, {m['cpus']} "
-            f"CPUs), {m['torch_threads']} torch threads, torch {m['torch']}",
+            f"- {m['date']}, commit {m['commit']}; {gpu}{m['cpu']} ({m.get('isa', m['arch'])}, "
+            f"{m['cpus']} CPUs), {m['torch_threads']} torch threads, torch {m['torch']}",
             f"- command: `{data['command']}`"]
 
 
