@@ -162,6 +162,11 @@ enum { F32, BF16, PAIRS, I8 };
  * bandwidth. */
 #define PREFETCH 8192
 #define CHUNK 6                 /* I8: rows whose integer sums a tile keeps in registers */
+#if defined(__AVX2__) && VL == 8
+#define I8_OFFSET 0             /* tile_i8's AVX2 products take signed weights */
+#else
+#define I8_OFFSET 128           /* the unsigned weights' offset, taken back from each sum */
+#endif
 #define ROWS (ACC / GROUP)      /* rows a tile runs at once, GROUP accumulators each */
 
 /* Weights are packed as [ceil(out / (GROUP VL))][in][GROUP][VL] (F32) or
@@ -357,6 +362,25 @@ static inline __attribute__((always_inline)) void tile_i8(const uint8_t *wp, con
                     for (int b = 0; b < GROUP; b++)
                         isum[t][b] = (vi)_mm512_dpbusd_epi32((__m512i)isum[t][b], w[b], xb);
                 }
+#elif defined(__AVX2__) && VL == 8
+                /* No byte dot product into 32-bit sums: the signed weight (the offset byte's
+                 * top bit flipped) takes the input's sign, and that times |input| sums in pairs
+                 * to at most 2 * 127 * 127, inside 16 bits (never saturating), then in fours
+                 * to 32 bits. The sums then carry no offset. Scalar code per byte ran int8
+                 * slower than bfloat16. */
+                const __m256i flip = _mm256_set1_epi8((char)0x80), one = _mm256_set1_epi16(1);
+                __m256i w[GROUP];
+                for (int b = 0; b < GROUP; b++)
+                    w[b] = _mm256_xor_si256(
+                        _mm256_loadu_si256((const void *)(wu + b * VL * 4)), flip);
+                for (int t = 0; t < n; t++) {
+                    int32_t x4;
+                    memcpy(&x4, xu + t * q->in_q, 4);
+                    const __m256i xb = _mm256_set1_epi32(x4), ax = _mm256_abs_epi8(xb);
+                    for (int b = 0; b < GROUP; b++)
+                        isum[t][b] += (vi)_mm256_madd_epi16(
+                            _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[b], xb)), one);
+                }
 #else
                 for (int b = 0; b < GROUP; b++) {
                     vi w;
@@ -370,7 +394,7 @@ static inline __attribute__((always_inline)) void tile_i8(const uint8_t *wp, con
             for (int t = 0; t < n; t++) {
                 const int64_t r = (t0 + c + t) * q->nblk + j;
                 const float d = q->scale[r];
-                const int32_t off = 128 * q->sum[r];
+                const int32_t off = I8_OFFSET * q->sum[r];
                 for (int b = 0; b < GROUP; b++)
                     acc[c + t][b] += __builtin_convertvector(isum[t][b] - off, vf) * d;
             }
