@@ -28,9 +28,10 @@ def _kernel_built():
 
 
 def test_linear_rows_matches_linear_for_any_shape_and_row_count():
+    """Any shape, any row count; a row's bits do not depend on the other rows."""
     g = torch.Generator().manual_seed(0)
     lib = load_library()
-    for out, inp in ((40, 24), (64, 100), (130, 33), (384, 96)):
+    for out, inp in ((40, 24), (64, 100), (130, 33), (384, 96), (72, 301), (40, 600)):
         b = torch.randn(out, generator=g)
         for bf16_valued in (False, True):
             w = torch.randn(out, inp, generator=g)
@@ -51,6 +52,7 @@ def test_linear_rows_matches_linear_for_any_shape_and_row_count():
                 for bias in (None, b):
                     y = linear_rows(lib, x, packed, bias, out)
                     torch.testing.assert_close(y, F.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+                    assert torch.equal(y[-1:], linear_rows(lib, x[-1:], packed, bias, out))
                     if bf16_valued:     # the float32 layout's products, summed in its order
                         assert torch.equal(y, linear_rows(lib, x, as_f32, bias, out))
 
@@ -61,7 +63,7 @@ def test_linear_rows_with_bfloat16_inputs_sums_their_exact_products():
     g = torch.Generator().manual_seed(5)
     lib = load_library()
     block = lib.specserve_block()
-    for out, inp in ((40, 24), (64, 100), (130, 33), (384, 96)):       # 33: an odd width
+    for out, inp in ((40, 24), (64, 100), (130, 33), (384, 96), (72, 601)):   # odd widths
         w = torch.randn(out, inp, generator=g).to(torch.bfloat16).float()
         b = torch.randn(out, generator=g)
         packed = pack_weight(w, block, pairs=True)
