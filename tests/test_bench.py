@@ -56,6 +56,7 @@ def test_method_plus_tree_drafts_the_token_tree():
                                      "speculative_token_tree": tree}
     assert got["mtp+tree@old/mtp"][0] == "old/mtp"
     assert configs(_args("--methods", "eagle3+int8"))["eagle3+int8"][1]["quantization"] == "int8"
+    assert configs(_args("--methods", "ngram+adaptive"))["ngram+adaptive"][1]["adaptive_k"]
     with pytest.raises(SystemExit, match="needs --token-tree"):
         configs(_args("--methods", "eagle3+tree"))
     for bad in ("eagle3+wide", "eagle3+k=x", "eagle3+conf", "eagle3+lookup=x"):

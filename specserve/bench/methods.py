@@ -54,7 +54,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                         "draft_confidence_threshold P (draft_model, eagle, eagle3, mtp), "
                         "METHOD+lookup=N sets hybrid_prompt_lookup N (model-based methods), "
                         "METHOD+int8 quantizes the drafter (speculative quantization), "
-                        "e.g. eagle3+k=8+conf=0.2, eagle3+lookup=4")
+                        "METHOD+adaptive chooses K per step up to K (adaptive_k), "
+                        "e.g. eagle3+k=8+conf=0.2, eagle3+lookup=4, eagle3+k=6+adaptive")
     p.add_argument("--token-tree", default=None,
                    help="speculative_token_tree for the METHOD+tree entries of --methods, e.g. "
                         "\"[(0,), (1,), (0, 0), (0, 0, 0)]\"; K is its number of nodes")
@@ -80,6 +81,8 @@ def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:
         return {"parallel_drafting": True}
     if suffix == "int8":
         return {"quantization": "int8"}
+    if suffix == "adaptive":
+        return {"adaptive_k": True}
     try:
         if key == "k" and eq:
             return {"num_speculative_tokens": int(value)}
@@ -90,7 +93,8 @@ def _suffix_config(name: str, suffix: str, token_tree: str | None) -> dict:
     except ValueError:
         pass
     raise SystemExit(f"{name!r}: unknown suffix {'+' + suffix!r}; use +tree (with --token-tree), "
-                     "+parallel, +int8 (the drafter quantized), +k=N, +conf=P or +lookup=N")
+                     "+parallel, +int8 (the drafter quantized), +adaptive (adaptive_k), +k=N, "
+                     "+conf=P or +lookup=N")
 
 
 def resolve_models(a: argparse.Namespace, tokenizer_dir: str = "models/code-target"
