@@ -139,8 +139,8 @@ def git_commit() -> str:
 
 
 def vector_isa() -> str:
-    """The widest vector instruction set the CPU kernel is built for here: "avx512", "avx2",
-    or else the architecture's name."""
+    """The CPU's widest vector instruction set, which the kernel's -march=native build uses:
+    "avx512", "avx2", or else the architecture's name."""
     flags = cpu_flags()
     if "avx512f" in flags:
         return "avx512"

@@ -35,9 +35,12 @@
 #if defined(__AVX512F__)
 #define VL 16
 #define ACC 24
-#else
+#elif defined(__AVX2__)
 #define VL 8
 #define ACC 20
+#else                           /* vectors the compiler emulates: two rows, not measured wider */
+#define VL 8
+#define ACC 8
 #endif
 typedef float vf __attribute__((vector_size(VL * 4)));
 typedef int32_t vi __attribute__((vector_size(VL * 4)));
@@ -167,8 +170,10 @@ enum { F32, BF16, PAIRS, I8 };
 #define PREFETCH 8192
 #define CHUNK 6                 /* I8: rows whose integer sums a tile keeps in registers */
 #if defined(__AVX2__) && VL == 8
-#define I8_OFFSET 0             /* tile_i8's AVX2 products take signed weights */
+#define I8_AVX2 1               /* tile_i8's AVX2 products take signed weights: no offset */
+#define I8_OFFSET 0
 #else
+#define I8_AVX2 0
 #define I8_OFFSET 128           /* the unsigned weights' offset, taken back from each sum */
 #endif
 #define ROWS (ACC / GROUP)      /* rows a tile runs at once, GROUP accumulators each */
@@ -366,7 +371,7 @@ static inline __attribute__((always_inline)) void tile_i8(const uint8_t *wp, con
                     for (int b = 0; b < GROUP; b++)
                         isum[t][b] = (vi)_mm512_dpbusd_epi32((__m512i)isum[t][b], w[b], xb);
                 }
-#elif defined(__AVX2__) && VL == 8
+#elif I8_AVX2
                 /* No byte dot product into 32-bit sums: the signed weight (the offset byte's
                  * top bit flipped) takes the input's sign, and that times |input| sums in pairs
                  * to at most 2 * 127 * 127, inside 16 bits (never saturating), then in fours
@@ -410,10 +415,11 @@ static inline __attribute__((always_inline)) void tile_i8(const uint8_t *wp, con
             storev(y + (t * GROUP + b) * VL, acc[t][b] * loadv(scale + b * VL));
 }
 
+_Static_assert(ROWS == 2 || ROWS == 5 || ROWS == 6, "the tile switches list cases 1..ROWS");
 #define TILE_I8(TB) case TB: tile_i8(wt, &q, t0, TB, buf); break;
-#if ROWS >= 6
+#if ROWS == 6
 #define MORE_TILES_I8 TILE_I8(3) TILE_I8(4) TILE_I8(5) TILE_I8(6)
-#elif ROWS >= 5
+#elif ROWS == 5
 #define MORE_TILES_I8 TILE_I8(3) TILE_I8(4) TILE_I8(5)
 #else
 #define MORE_TILES_I8
@@ -446,9 +452,9 @@ int specserve_block(void) { return VL; }
 int specserve_max_rows(void) { return VL == 16 ? 512 : 48; }
 
 #define TILE(TB, MODE) case TB: tile(wt, MODE, xg, in_x, TB, buf); break;
-#if ROWS >= 6
+#if ROWS == 6
 #define MORE_TILES(MODE) TILE(3, MODE) TILE(4, MODE) TILE(5, MODE) TILE(6, MODE)
-#elif ROWS >= 5
+#elif ROWS == 5
 #define MORE_TILES(MODE) TILE(3, MODE) TILE(4, MODE) TILE(5, MODE)
 #else
 #define MORE_TILES(MODE)
