@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import SpeculativeConfig
+from specserve.kernels.cpu import KVWriter
 from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
 from specserve.methods.checkpoints import (
     assign_weights,
@@ -314,6 +315,10 @@ class DFlashProposer(ProposerBase):
         self.forward = ctx.backend.forward(self.drafter)
         self.cache = ctx.new_kv_cache(a.num_hidden_layers, a.num_key_value_heads, max_len,
                                       a.head_dim, self.dtype)
+        # the context's keys and values into every layer's cache in one C call likewise
+        self.write_kv = None if self.forward is None else KVWriter(
+            self.forward.lib, self.cache.layers, self.drafter.k_norms, a.rms_norm_eps,
+            self.drafter.rotary.cos_sin)
         self.caches = [self.cache]
         self.modules = {"drafter": self.drafter}
         self.aux_hidden_layers = self.drafter.aux_layers
@@ -334,10 +339,11 @@ class DFlashProposer(ProposerBase):
             positions += range(out.starts[i], r.num_computed_tokens)
         if not positions:
             return
-        feats = out.aux_hidden[torch.tensor(rows, device=self.device)]        # [T, n * H_t]
-        c = self.drafter.context(feats.to(self.dtype))                          # [T, H]
-        pos = torch.tensor(positions, device=self.device)
-        slot = torch.tensor(slots, device=self.device)
+        rows_t, slot, pos = torch.tensor([rows, slots, positions], device=self.device)
+        c = self.drafter.context(out.aux_hidden[rows_t].to(self.dtype))      # [T, H]
+        if self.write_kv is not None:
+            self.write_kv(self.drafter.kv_proj(c), slot, pos)
+            return
         k, v = self.drafter.context_kv(c, self.drafter.rotary.tables(pos, c.dtype))
         for i, (k_cache, v_cache) in enumerate(self.cache.layers):         # k, v: [T, L, Hkv, D]
             k_cache[slot, :, pos] = k[:, i]

@@ -33,11 +33,10 @@ def build_tree_metadata(slots: list[int], store: list[list[int]], ctx: list[list
     writes its KV at position store[b][j] and attends to the positions < ctx[b][j] plus the
     positions extra[b][j] (a node's ancestors and itself). Its rotary position is the caller's."""
     lens = [len(s) for s in store]
-    B, Q = len(lens), max(lens)
+    Q = max(lens)
     max_kv = max(max(max(s) + 1, max(c)) for s, c in zip(store, ctx))
-    ctx_t = torch.ones(B, Q, dtype=torch.long)      # padding rows see position 0: never all -inf
-    for b, c in enumerate(ctx):
-        ctx_t[b, :len(c)] = torch.tensor(c)
+    # padding rows see position 0: never all -inf
+    ctx_t = torch.tensor([c + [1] * (Q - len(c)) for c in ctx], dtype=torch.long)      # [B, Q]
     mask = torch.arange(max_kv)[None, None, :] < ctx_t[:, :, None]              # [B, Q, L]
     idx = [(b, j, col) for b, rows in enumerate(extra) for j, cols in enumerate(rows)
            for col in cols]

@@ -116,7 +116,7 @@ def test_each_step_drafts_what_a_dense_non_causal_pass_over_the_context_gives(ll
                                                                              dflash_dir,
                                                                              one_call):
     """Every proposal (cached context written step by step, one pass for the whole block, on
-    the CPU kernel in one call or layer by layer) equals the dense formula; the same drafts
+    the CPU kernel in one call each or layer by layer) equals the dense formula; the same drafts
     with a causal block or without the injected context differ, so the block really attends
     both ways and reads the context."""
     llm = LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(dflash_dir, 6))
@@ -124,9 +124,9 @@ def test_each_step_drafts_what_a_dense_non_causal_pass_over_the_context_gives(ll
     drafter = dflash.read(dflash_dir, target)
     proposer = llm.engine.proposer
     if not one_call:
-        proposer.forward = None
+        proposer.forward = proposer.write_kv = None
     elif DEVICE == "cpu" and load_library() is not None:
-        assert proposer.forward is not None
+        assert proposer.forward is not None and proposer.write_kv is not None
     propose, seen = proposer.propose, {"checked": 0, "causal": 0, "context": 0}
 
     def checked(batch):

@@ -468,3 +468,36 @@ def test_the_head_chain_checks_its_positions_on_the_c_side(tmp_path, llama_dir, 
     monkeypatch.setattr(HeadChain, "_check_end", lambda *a: None)
     with pytest.raises(ValueError, match="C side refused"):
         chain(state, [chain.shape.max_len], [0], [3])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("normed", [True, False], ids=["k-norm", "no-norm"])
+def test_the_kv_writer_writes_what_each_layers_own_projection_would(kv_dtype, normed):
+    """KVWriter (DFlash's context in one call) writes, for every layer, the normed and rotated
+    keys and the values that layer's `project_kv` gives for the same rows, at their slots and
+    positions, and nothing else; a position past the cache is refused on the C side."""
+    from specserve.kernels.cpu import KVWriter
+    from specserve.models.layers import Attention, Rotary
+    g = torch.Generator().manual_seed(0)
+    L, H, NKV, D, S, max_len = 3, 48, 2, 16, 3, 20
+    attns = [Attention(H, 4, NKV, D, bias=False, qk_norm=normed, eps=1e-5) for _ in range(L)]
+    for at in attns:
+        for p in at.parameters():
+            p.data = torch.randn(p.shape, generator=g) * 0.3 + (1 if p.dim() == 1 else 0)
+    rot = Rotary(D, max_len, 10000.0, None)
+    x = torch.randn(5, H, generator=g)                                        # [T, H]
+    slots, pos = torch.tensor([2, 2, 0, 1, 2]), torch.tensor([4, 5, 0, 19, 11])
+    kv = torch.cat([at.qkv_proj(x)[:, at.q_size:] for at in attns], 1)      # [T, L * 2 * NKV * D]
+    norms = torch.stack([at.k_norm.weight for at in attns]) if normed else None
+    cache = KVCache(L, S, NKV, max_len, D, kv_dtype, torch.device("cpu"))
+    KVWriter(load_library(), cache.layers, norms, 1e-5, rot.cos_sin)(kv, slots, pos)
+    written = torch.zeros(S, max_len, dtype=torch.bool)
+    written[slots, pos] = True
+    for at, (kc, vc) in zip(attns, cache.layers):
+        k, v = at.project_kv(x, rot.tables(pos, x.dtype))                     # [T, NKV, D]
+        torch.testing.assert_close(kc[slots, :, pos].float(), k.to(kv_dtype).float())
+        torch.testing.assert_close(vc[slots, :, pos].float(), v.to(kv_dtype).float())
+        assert not kc.transpose(1, 2)[~written].any() and not vc.transpose(1, 2)[~written].any()
+    with pytest.raises(ValueError, match="C side refused"):
+        KVWriter(load_library(), cache.layers, norms, 1e-5, rot.cos_sin)(
+            kv[:1], slots[:1], torch.tensor([max_len]))

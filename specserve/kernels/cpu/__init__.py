@@ -3,6 +3,7 @@
 from specserve.kernels.cpu.binding import (
                                            CpuLayer,
                                            HeadChain,
+                                           KVWriter,
                                            LlamaChain,
                                            LlamaForward,
                                            SharedMemoryAllReduce,
@@ -20,7 +21,7 @@ from specserve.kernels.cpu.binding import (
                                            weight_mode,
 )
 
-__all__ = ["CpuLayer", "HeadChain", "LlamaChain", "LlamaForward",
+__all__ = ["CpuLayer", "HeadChain", "KVWriter", "LlamaChain", "LlamaForward",
            "SharedMemoryAllReduce", "SharedMemoryChannel", "cpu_features",
            "cpu_flags", "kernel_step",
            "linear_rows", "load_library", "max_rows", "pack_weight",

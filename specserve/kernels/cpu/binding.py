@@ -68,6 +68,10 @@ _LlamaForwardArgs = _args("LlamaForwardArgs", [
     ("cos_sin", _P), ("w", _P), ("k_cache", _P), ("v_cache", _P), ("mask", _P),
     ("mask_stride", _I64), ("n_aux", _I64), ("aux_layers", _P), ("aux", _P), ("hidden", _P),
     ("ar", _P), ("nthreads", _C)])
+_WriteKVArgs = _args("WriteKVArgs", [
+    ("kv", _P), ("T", _I64), ("L", _I64), ("NKV", _I64), ("D", _I64), ("max_len", _I64),
+    ("k_norm", _P), ("eps", _F), ("cos_sin", _P), ("slots", _P), ("positions", _P),
+    ("k_cache", _P), ("v_cache", _P), ("kv_bf16", _C)])
 _AllReduceArgs = _args("AllReduceArgs", [
     ("x", _P), ("n", _I64), ("shm", _P), ("cap", _I64), ("rank", _I64), ("size", _I64),
     ("seq", _I64), ("timeout_s", ctypes.c_double), ("peers", _P), ("npeers", _I64),
@@ -148,7 +152,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_rms_norm.restype = None
     for name, args in (("layer", _LayerArgs), ("head_chain", _HeadChainArgs),
                        ("llama_chain", _LlamaChainArgs), ("llama_forward", _LlamaForwardArgs),
-                       ("all_reduce", _AllReduceArgs), ("channel", _ChannelArgs)):
+                       ("write_kv", _WriteKVArgs), ("all_reduce", _AllReduceArgs),
+                       ("channel", _ChannelArgs)):
         size = getattr(lib, f"specserve_{name}_args_size")
         for fn in [getattr(lib, f"specserve_{name}{op}", None) for op in ("", "_post", "_wait")]:
             if fn is not None:
@@ -568,6 +573,47 @@ class LlamaForward:
             self.reduce.missed("LlamaForward")
         _check_rc(rc, "LlamaForward")
         return (hidden, aux) if aux_layers else hidden
+
+
+class KVWriter:
+    """Keys and values made outside a layer's step, written to L layers' caches in one C call
+    (`specserve_write_kv`) as each layer's step writes its own: keys normed per head by
+    `k_norm` [L, D] (None: not normed), then rotated at their position by `cos_sin` [positions,
+    2, D]. DFlash's context write, a dozen PyTorch operators otherwise."""
+
+    def __init__(self, lib: ctypes.CDLL, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 k_norm: torch.Tensor | None, eps: float, cos_sin: torch.Tensor) -> None:
+        k0 = caches[0][0]
+        bf16 = {kv_bf16(c, "KVWriter") for c in caches}
+        if len(bf16) != 1 or any(k.shape != k0.shape for k, _ in caches):
+            raise ValueError("KVWriter: the layers' caches must share one shape and dtype")
+        S, NKV, max_len, D = k0.shape
+        if cos_sin.shape[0] < max_len:
+            raise ValueError(f"KVWriter: the rotary table ({cos_sin.shape[0]} positions) is "
+                             f"shorter than the KV cache ({max_len})")
+        cos_sin = cos_sin.float().contiguous()
+        k_norm = None if k_norm is None else k_norm.float().reshape(len(caches), D).contiguous()
+        k_ptrs = (_P * len(caches))(*(k.data_ptr() for k, _ in caches))
+        v_ptrs = (_P * len(caches))(*(v.data_ptr() for _, v in caches))
+        self.lib, self._keep = lib, (caches, cos_sin, k_norm, k_ptrs, v_ptrs)
+        self.width = len(caches) * 2 * NKV * D
+        self._args = _WriteKVArgs(
+            L=len(caches), NKV=NKV, D=D, max_len=max_len,
+            k_norm=None if k_norm is None else k_norm.data_ptr(), eps=eps,
+            cos_sin=cos_sin.data_ptr(), k_cache=ctypes.cast(k_ptrs, _P),
+            v_cache=ctypes.cast(v_ptrs, _P), kv_bf16=bf16.pop())
+
+    def __call__(self, kv: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """kv [T, L * 2 * NKV * D] float32 (each layer's keys, then its values) of the rows at
+        `positions` [T] (long) of KV slots `slots` [T] (long)."""
+        kv = kv.float().contiguous()
+        if kv.shape[-1] != self.width or slots.dtype != torch.long or positions.dtype != torch.long:
+            raise ValueError(f"KVWriter: kv must be [T, {self.width}] with long slots and "
+                             "positions")
+        a = self._args
+        a.kv, a.T = kv.data_ptr(), kv.shape[0]
+        a.slots, a.positions = slots.contiguous().data_ptr(), positions.contiguous().data_ptr()
+        _check_rc(self.lib.specserve_write_kv(ctypes.byref(a)), "KVWriter")
 
 
 class SharedMemoryAllReduce:

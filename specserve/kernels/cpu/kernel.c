@@ -830,6 +830,25 @@ typedef struct {
     float eps, scale;
 } Shape;
 
+/* One row's keys and values of NKV heads (k, v: [NKV, D]) at position pos of slot `slot` of
+ * k_cache, v_cache [num_slots, NKV, max_len, D] (bfloat16 when bf16). */
+static void store_kv(void *k_cache, void *v_cache, int64_t slot, int64_t pos, int64_t NKV,
+                     int64_t max_len, int64_t D, const float *k, const float *v, int bf16) {
+    for (int64_t g = 0; g < NKV; g++) {
+        const int64_t at = ((slot * NKV + g) * max_len + pos) * D;
+        if (bf16) {
+            uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
+            for (int64_t d = 0; d < D; d++) {
+                kd[d] = (uint16_t)bf16_bits(k[g * D + d]);
+                vd[d] = (uint16_t)bf16_bits(v[g * D + d]);
+            }
+        } else {
+            memcpy((float *)k_cache + at, k + g * D, D * sizeof(float));
+            memcpy((float *)v_cache + at, v + g * D, D * sizeof(float));
+        }
+    }
+}
+
 /* The attention half of a decoder layer over the residual stream x [T, hidden]: out (+)=
  * o_proj(attention(q, k, v)) [T, hidden], added to out when `accumulate`, else written (a
  * tensor-parallel shard's partial sum). The attention input is attn_in [T, s->attn_in] when
@@ -878,19 +897,7 @@ static int attention_half(const Shape *s, int64_t T, const float *x, const float
         }
         const float *c = cos + t * s->rot_stride, *sn = sin + t * s->rot_stride;
         for (int64_t j = 0; j < NH + NKV; j++) rotary(q + j * D, c, sn, D);
-        for (int64_t g = 0; g < NKV; g++) {
-            int64_t at = slots[t] * slot_stride + (g * s->max_len + positions[t]) * D;
-            if (bf16) {
-                uint16_t *kd = (uint16_t *)k_cache + at, *vd = (uint16_t *)v_cache + at;
-                for (int64_t d = 0; d < D; d++) {
-                    kd[d] = (uint16_t)bf16_bits(k[g * D + d]);
-                    vd[d] = (uint16_t)bf16_bits(v[g * D + d]);
-                }
-            } else {
-                memcpy((float *)k_cache + at, k + g * D, D * sizeof(float));
-                memcpy((float *)v_cache + at, v + g * D, D * sizeof(float));
-            }
-        }
+        store_kv(k_cache, v_cache, slots[t], positions[t], NKV, s->max_len, D, k, v, bf16);
     }
     /* Attention, one work item per (run of rows of one request, KV head): the item's queries
      * (its rows times the query heads sharing the KV head) read each block of 16 keys once. */
@@ -1012,6 +1019,48 @@ int specserve_layer(const LayerArgs *a) {
                               a->out, 0, a->nthreads);
     return layer_impl(a->s, a->T, a->x, a->attn_in, a->slots, a->positions, a->w, a->k_cache,
                       a->v_cache, a->cos, a->sin, a->mask, a->mask_stride, a->nthreads);
+}
+
+/* specserve_write_kv's arguments by name (binding.py mirrors them). */
+typedef struct {
+    const float *kv;            /* [T, L, 2, NKV, D]: each layer's keys, then its values */
+    int64_t T, L, NKV, D, max_len;
+    const float *k_norm;        /* [L, D] per-head key norm weights, or NULL */
+    float eps;
+    const float *cos_sin;       /* [max_len, 2, D] */
+    const int64_t *slots, *positions;
+    void *const *k_cache;       /* L caches [num_slots, NKV, max_len, D] */
+    void *const *v_cache;
+    int kv_bf16;
+} WriteKVArgs;
+
+size_t specserve_write_kv_args_size(void) { return sizeof(WriteKVArgs); }
+
+/* Keys and values made outside a layer's step, written to the caches of L layers as that
+ * layer's step writes its own rows (keys normed when k_norm is given, then rotated at their
+ * position): DFlash's context, every drafter layer's keys and values of the target's
+ * features from one stacked product. Returns 0, -1 when out of memory, -2 for a position
+ * outside the caches or a head wider than 1024. */
+int specserve_write_kv(const WriteKVArgs *a) {
+    const int64_t NKV = a->NKV, D = a->D, L = a->L;
+    if (D > 1024) return -2;
+    for (int64_t t = 0; t < a->T; t++)
+        if (a->positions[t] < 0 || a->positions[t] >= a->max_len) return -2;
+    float *k = malloc(sizeof(float) * NKV * D);
+    if (!k) return -1;
+    for (int64_t t = 0; t < a->T; t++) {
+        const float *c = a->cos_sin + a->positions[t] * 2 * D;
+        for (int64_t l = 0; l < L; l++) {
+            const float *row = a->kv + (t * L + l) * 2 * NKV * D;
+            if (a->k_norm) rms_norm(row, a->k_norm + l * D, a->eps, NKV, D, D, D, k);
+            else memcpy(k, row, sizeof(float) * NKV * D);
+            for (int64_t g = 0; g < NKV; g++) rotary(k + g * D, c, c + D, D);
+            store_kv(a->k_cache[l], a->v_cache[l], a->slots[t], a->positions[t], NKV,
+                     a->max_len, D, k, row + NKV * D, a->kv_bf16);
+        }
+    }
+    free(k);
+    return 0;
 }
 
 /* Index of the first largest of x[0..n-1]; a NaN counts as largest, as in torch.argmax. */
