@@ -6,12 +6,13 @@ request). Per request it remembers how many tokens its cache holds; drafts that 
 rejected are forgotten by lowering that count, exactly like the target's rollback. Each engine
 step runs one ragged catch-up pass (the tokens the draft has not seen: the last accepted token
 and the bonus/recovered one, or the whole prompt at first) and then K-1 one-token passes,
-batched across requests.
+batched across requests; greedy, on the CPU kernel, all of them in one C call.
 
 A PARD draft (trained with `specserve train pard`; its config.json names a mask token,
 `pard_token`) appends K-1 mask tokens to the catch-up pass: the logits of the last real token
-and of mask i give drafts 1 and i+1, so one pass drafts K tokens. The masks' KV lies past the
-request's tokens, where the next step's catch-up writes before anything reads it.
+and of mask i give drafts 1 and i+1, so one pass drafts K tokens (greedy, on the CPU kernel,
+in one C call with its picks). The masks' KV lies past the request's tokens, where the next
+step's catch-up writes before anything reads it.
 """
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ class DraftModelProposer(ProposerBase):
             raise ValueError(f"{config.model}: mask token {self.mask_id} is outside the "
                              f"vocabulary [0, {ctx.vocab_size})")
         self.state: dict[str, _DraftState] = {}
-        # greedy chains in one compiled call where the model has one (on the CPU kernel)
-        self.chain = (ctx.backend.chain(self.model, self.cache.layers)
-                      if not self.sample and self.mask_id is None else None)
+        # greedy drafting (the catch-up pass and the chain, or PARD's pass) in one compiled
+        # call where the model has one (on the CPU kernel)
+        self.chain = (ctx.backend.chain(self.model, self.cache.layers) if not self.sample
+                      else None)
         self.graphs = ctx.backend.graphs(self.model, self.cache, ctx.num_slots)
 
     def _forward(self, reqs, token_lists: list[list[int]], starts: list[int],
@@ -123,10 +125,16 @@ class DraftModelProposer(ProposerBase):
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
         active = list(range(len(reqs)))
-        logits = self._forward(reqs, feeds, starts)
+        if self._in_one_call(feeds):
+            ends = itertools.accumulate(len(f) for f in feeds)
+            drafts = self._ingest(reqs, feeds, starts, [e - 1 for e in ends],
+                                  [r.num_tokens for r in reqs], [r.slot for r in reqs], budgets)
+            active = []
+        else:
+            logits = self._forward(reqs, feeds, starts)
         for r in reqs:
             self.state[r.request_id].num_computed = r.num_tokens
-        if self.chain is not None and len(reqs) <= max_rows(self.chain.lib):
+        if active and self.chain is not None and len(reqs) <= max_rows(self.chain.lib):
             first = greedy_ids(logits)
             if self.threshold:          # a first draft below it is the only one
                 sure = confident(logits, first, self.threshold)
@@ -155,13 +163,39 @@ class DraftModelProposer(ProposerBase):
             out.append(Proposal(drafts[i], p))
         return out
 
+    def _in_one_call(self, token_lists: list[list[int]]) -> bool:
+        """Whether a greedy pass over these rows (and the chain after it) runs in one C call:
+        on the kernel, within its row limit."""
+        return (self.chain is not None
+                and sum(len(t) for t in token_lists) <= max_rows(self.chain.lib))
+
+    def _ingest(self, reqs, token_lists: list[list[int]], starts: list[int], last: list[int],
+                positions: list[int], slots: list[int], budgets: list[int]) -> list[list[int]]:
+        """The C call: each request's tokens fed from its start, then greedy chains of
+        budgets[b] drafts from pass rows last[b], fed on at positions[b] of slots[b]."""
+        return self.chain.after_ingest(
+            [t for ts in token_lists for t in ts],
+            [r.slot for r, ts in zip(reqs, token_lists) for _ in ts],
+            [s + i for s, ts in zip(starts, token_lists) for i in range(len(ts))],
+            last, positions, slots, budgets, self.threshold)
+
     def _propose_parallel(self, reqs, feeds: list[list[int]], starts: list[int],
                           budgets: list[int]) -> list[Proposal]:
         """PARD: one pass over each request's new tokens and budget-1 masks drafts them all."""
         masked = [f + [self.mask_id] * (n - 1) for f, n in zip(feeds, budgets)]
-        logits = self._forward(reqs, masked, starts, budgets)          # [sum(budgets), V]
         for r in reqs:
             self.state[r.request_id].num_computed = r.num_tokens     # the masks' KV is not kept
+        if not self.threshold and self._in_one_call(masked):
+            # each drafting row (the last real token's, the masks') is a chain of one draft
+            ends = list(itertools.accumulate(len(m) for m in masked))
+            picked = [e - n + j for e, n in zip(ends, budgets) for j in range(n)]
+            pos = [s + len(m) for s, m in zip(starts, masked)]        # past the pass: unused
+            flat = [d for (d,) in self._ingest(
+                reqs, masked, starts, picked, [p for p, n in zip(pos, budgets) for _ in range(n)],
+                [r.slot for r, n in zip(reqs, budgets) for _ in range(n)], [1] * len(picked))]
+            return [Proposal(flat[e - n:e]) for n, e in zip(budgets,
+                                                            itertools.accumulate(budgets))]
+        logits = self._forward(reqs, masked, starts, budgets)          # [sum(budgets), V]
         return drafts_from_rows(logits, budgets, reqs, self.sample, self.threshold)
 
     def finish(self, request) -> None:

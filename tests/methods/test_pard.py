@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specserve import LLM, TokensPrompt
+from specserve.kernels.cpu import load_library
 from specserve.models.loader import load_model
 from tests.conftest import DEVICE, make_hf_model
 from tests.test_spec_decode import (
@@ -48,22 +49,33 @@ def test_greedy_output_is_the_targets_alone_and_in_mixed_batches(llama_dir, pard
                                     max_model_len=80)
 
 
-def test_one_draft_pass_per_step_and_the_masks_kv_is_never_context(llama_dir, pard_dir):
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call", "pytorch-pass"])
+def test_one_draft_pass_per_step_and_the_masks_kv_is_never_context(llama_dir, pard_dir,
+                                                                   one_call):
     """Every proposal equals the draft model's greedy tokens at the last real position and
     each mask position of a dense pass over the whole context (no cache): had a step's mask
-    KV been kept as context, later drafts would differ."""
+    KV been kept as context, later drafts would differ. One pass a step, in one C call on the
+    CPU kernel (the pass and the picks; a prompt past the kernel's row limit in PyTorch) or
+    in PyTorch."""
     llm = LLM(str(llama_dir), device=DEVICE, speculative_config=_spec(pard_dir, 4))
     proposer = llm.engine.proposer
+    if not one_call:
+        proposer.chain = None
+    elif DEVICE == "cpu" and load_library() is not None:
+        assert proposer.chain is not None
     dense = load_model(pard_dir, torch.float32, torch.device(DEVICE))
-    passes, checked = [], [0]
-    forward = proposer._forward
-    proposer._forward = lambda *a, **kw: passes.append(1) or forward(*a, **kw)
+    passes, checked, steps = {"pytorch": 0, "c": 0}, [0], [0]
+    for name, key in (("_forward", "pytorch"), ("_ingest", "c")):
+        run = getattr(proposer, name)
+        setattr(proposer, name, lambda *a, _run=run, _key=key, **kw:
+                passes.__setitem__(_key, passes[_key] + 1) or _run(*a, **kw))
     propose = proposer.propose
 
     def checked_propose(batch):
-        n = len(passes)
+        n = sum(passes.values())
         out = propose(batch)
-        assert len(passes) == n + (1 if batch.requests else 0)       # one pass for all K
+        assert sum(passes.values()) == n + (1 if batch.requests else 0)   # one pass for all K
+        steps[0] += bool(batch.requests)
         for r, p, k in zip(batch.requests, out, batch.max_num_tokens):
             ids = r.all_token_ids + [MASK] * (k - 1)
             with torch.inference_mode():
@@ -78,6 +90,7 @@ def test_one_draft_pass_per_step_and_the_masks_kv_is_never_context(llama_dir, pa
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(4, seed=6)]
     llm.generate(ps, _greedy(30), use_tqdm=False)
     assert checked[0] > 20
+    assert (passes["c"] > steps[0] // 2) == (proposer.chain is not None)
 
 
 @pytest.mark.parametrize("rejection, draft_sample", [("strict", "greedy"),

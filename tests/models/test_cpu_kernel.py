@@ -302,9 +302,10 @@ def test_a_cached_library_that_does_not_load_is_rebuilt_once(tmp_path):
 def test_chain_drafting_in_one_call_drafts_what_the_loop_drafts(method, threshold, tmp_path,
                                                                 llama_dir):
     """On the CPU kernel EAGLE, EAGLE-3 and MTP heads and a draft model draft their greedy
-    chain in one compiled call per step; the drafts must be the PyTorch loop's over the same
-    kernel, at batch 1 and in batches whose budgets differ (requests near max_tokens), with
-    and without a confidence threshold, and the output stays the target's."""
+    chain in one compiled call per step (a draft model's catch-up pass in it too); the drafts
+    must be the PyTorch loop's over the same kernel, at batch 1 and in batches whose budgets
+    differ (requests near max_tokens), with and without a confidence threshold, and the
+    output stays the target's."""
     from specserve import LLM
     from tests.conftest import make_hf_model
     from tests.methods.test_heads import (
@@ -335,10 +336,15 @@ def test_chain_drafting_in_one_call_drafts_what_the_loop_drafts(method, threshol
         assert proposer.chain is not None
         if not chain:
             proposer.chain = None
+        ingests = [0]
+        if method == "draft_model":     # the catch-up pass too, where it fits the kernel
+            run = proposer._ingest
+            proposer._ingest = lambda *a: ingests.__setitem__(0, ingests[0] + 1) or run(*a)
         record = record_drafts(llm)
         got = [llm.generate(ps[0], params[0], use_tqdm=False)[0].outputs[0].token_ids]
         got += [o.outputs[0].token_ids for o in llm.generate(ps[1:], params[1:], use_tqdm=False)]
         assert got == ref
+        assert (ingests[0] > 10) == (chain and method == "draft_model")
         drafts[chain] = record
     lengths = [len(d) for d in drafts[True]]
     assert sum(lengths) > 40
@@ -501,3 +507,29 @@ def test_the_kv_writer_writes_what_each_layers_own_projection_would(kv_dtype, no
     with pytest.raises(ValueError, match="C side refused"):
         KVWriter(load_library(), cache.layers, norms, 1e-5, rot.cos_sin)(
             kv[:1], slots[:1], torch.tensor([max_len]))
+
+
+def test_a_draft_models_pass_and_chains_in_one_call_draft_from_the_rows_asked(tmp_path,
+                                                                               llama_dir):
+    """LlamaChain.after_ingest: the pass over the new rows, then each drafting row's greedy
+    token (and chain) from the pass row named, wherever it lies in the pass (PARD drafts from
+    several rows of one request): equal to a dense PyTorch pass over the same tokens."""
+    from specserve import LLM
+    from tests.conftest import make_hf_model
+    make_hf_model("llama", tmp_path / "draft", seed=3, hidden_size=32, num_hidden_layers=2,
+                  intermediate_size=64)
+    llm = LLM(str(llama_dir), device="cpu", speculative_config={
+        "method": "draft_model", "model": str(tmp_path / "draft"), "num_speculative_tokens": 2})
+    chain = llm.engine.proposer.chain
+    dense = load_model(tmp_path / "draft", torch.float32, torch.device("cpu"))
+
+    def greedy(ids: list[int]) -> list[int]:                     # each position's argmax
+        with torch.inference_mode():
+            h = dense(torch.tensor([ids]), torch.arange(len(ids))[None])[0]
+            return dense.compute_logits(h).argmax(-1).tolist()
+
+    ids = [5, 17, 3, 9, 40, 2, 11]
+    drafts = chain.after_ingest(ids, [0] * 7, list(range(7)), [2, 4, 6], [8, 8, 7], [0, 0, 0],
+                                [1, 1, 2])
+    want = greedy(ids)
+    assert drafts == [[want[2]], [want[4]], [want[6], greedy(ids + [want[6]])[-1]]]

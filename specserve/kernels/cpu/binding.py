@@ -58,7 +58,8 @@ _LayerArgs = _args("LayerArgs", [
     ("positions", _P), ("w", _P), ("k_cache", _P), ("v_cache", _P), ("cos", _P), ("sin", _P),
     ("mask", _P), ("mask_stride", _I64), ("half", _I64), ("out", _P), ("nthreads", _C)])
 _LlamaChainArgs = _args("LlamaChainArgs", [
-    ("s", ctypes.POINTER(_Shape)), ("L", _I64), ("B", _I64), ("n", _I64), ("slots", _P),
+    ("s", ctypes.POINTER(_Shape)), ("L", _I64), ("T", _I64), ("in_tok", _P), ("in_slot", _P),
+    ("in_pos", _P), ("last", _P), ("B", _I64), ("n", _I64), ("slots", _P),
     ("pos0", _P), ("budget", _P), ("threshold", _F), ("embed", _P), ("final_norm", _P),
     ("lm_head", _P), ("lm_mode", _C), ("vocab", _I64), ("cos_sin", _P), ("w", _P),
     ("k_cache", _P), ("v_cache", _P), ("tokens", _P), ("nthreads", _C)])
@@ -486,19 +487,38 @@ class LlamaChain(_Chain):
         catch-up pass) and fed at positions[b] of KV slot slots[b]; with a threshold a request
         stops after its first later draft the model gives a lower probability (the caller
         checks the first)."""
-        n = max(budgets)
-        tokens = torch.zeros(len(slots), n, dtype=torch.long)
+        tokens = torch.zeros(len(slots), max(budgets), dtype=torch.long)
         tokens[:, 0] = torch.tensor(first)
+        return self._draft({"T": 0}, tokens, positions, slots, budgets, threshold)
+
+    def after_ingest(self, ids: list[int], row_slots: list[int], row_positions: list[int],
+                     last: list[int], positions: list[int], slots: list[int],
+                     budgets: list[int], threshold: float = 0.0) -> list[list[int]]:
+        """The draft's pass over the T rows it has not seen (token ids[t] at row_positions[t] of
+        slot row_slots[t]), as its forward would run it, then __call__ with each drafting
+        row's first draft from the pass's output row last[b] (rising), the threshold applying
+        to it too: one C call instead of the PyTorch pass and the chain."""
+        self._check_end(max(row_positions) + 1, "ingest")
+        ints = torch.tensor([ids, row_slots, row_positions], dtype=torch.long)     # [3, T]
+        last_t = torch.tensor(last, dtype=torch.long)
+        tokens = torch.empty(len(slots), max(budgets), dtype=torch.long)
+        ingest = {"T": len(ids), "in_tok": ints[0].data_ptr(), "in_slot": ints[1].data_ptr(),
+                  "in_pos": ints[2].data_ptr(), "last": last_t.data_ptr()}
+        return self._draft(ingest, tokens, positions, slots, budgets, threshold)
+
+    def _draft(self, ingest: dict, tokens: torch.Tensor, positions: list[int],
+               slots: list[int], budgets: list[int], threshold: float) -> list[list[int]]:
         cos_sin, emb, fin_n, lm = self.ptrs[:4]
         a = self.arrays
         ints = self._ints(slots, positions, budgets)                          # [3, B]
         args = _LlamaChainArgs(
-            s=ctypes.cast(a.shapes, ctypes.POINTER(_Shape)), L=a.num_layers, B=len(slots), n=n,
-            slots=ints[0].data_ptr(), pos0=ints[1].data_ptr(), budget=ints[2].data_ptr(),
-            threshold=threshold, embed=emb, final_norm=fin_n, lm_head=lm, lm_mode=self.lm_mode,
-            vocab=self.vocab, cos_sin=cos_sin, w=ctypes.cast(a.weights, _P),
-            k_cache=ctypes.cast(a.k, _P), v_cache=ctypes.cast(a.v, _P),
-            tokens=tokens.data_ptr(), nthreads=torch.get_num_threads())
+            s=ctypes.cast(a.shapes, ctypes.POINTER(_Shape)), L=a.num_layers, B=len(slots),
+            n=tokens.shape[1], slots=ints[0].data_ptr(), pos0=ints[1].data_ptr(),
+            budget=ints[2].data_ptr(), threshold=threshold, embed=emb, final_norm=fin_n,
+            lm_head=lm, lm_mode=self.lm_mode, vocab=self.vocab, cos_sin=cos_sin,
+            w=ctypes.cast(a.weights, _P), k_cache=ctypes.cast(a.k, _P),
+            v_cache=ctypes.cast(a.v, _P), tokens=tokens.data_ptr(),
+            nthreads=torch.get_num_threads(), **ingest)
         _check_rc(self.lib.specserve_llama_chain(ctypes.byref(args)), type(self).__name__)
         return self._drafts(tokens, ints)
 

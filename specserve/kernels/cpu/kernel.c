@@ -1268,53 +1268,12 @@ int specserve_head_chain(const HeadChainArgs *a) {
                       a->v_cache, a->tokens, a->nthreads);
 }
 
-/* A whole decoder (a draft model): tokens[b * n] holds each request's first draft; pass j =
- * 1, 2, ... feeds token j-1 of the requests that draft a j-th at position pos0[b] + j - 1 of
- * slot slots[b] through embed and the L layers (shapes s[l], weights w[l], caches k[l], v[l])
- * and drafts token j by greedy_rows with final_norm and lm_head. */
-static int llama_chain_impl(const Shape *s, int64_t L, int64_t B, int64_t n, const int64_t *slots,
-                          const int64_t *pos0, int64_t *budget, float threshold,
-                          const float *embed, const float *final_norm, const void *lm_head,
-                          int lm_mode, int64_t vocab, const float *cos_sin,
-                          const void *const *const *w,
-                          void *const *k_cache, void *const *v_cache, int64_t *tokens,
-                          int nthreads) {
-    const int64_t H = s[0].hidden, D = s[0].head_dim;
-    Shape *ls = malloc(sizeof(Shape) * L);
-    float *x = malloc(sizeof(float) * B * H), *normed = malloc(sizeof(float) * B * H);
-    float *logits = malloc(sizeof(float) * B * vocab), *rot = malloc(sizeof(float) * B * 2 * D);
-    float *prob = threshold > 0 ? malloc(sizeof(float) * B) : NULL;
-    int64_t *ints = malloc(sizeof(int64_t) * B * 4);
-    int rc = ls && x && normed && logits && rot && ints && (prob || threshold <= 0) ? 0 : -1;
-    int64_t *rows = ints, *slot = ints + B, *pos = ints + 2 * B, *tok = ints + 3 * B, m = B;
-    for (int64_t l = 0; rc == 0 && l < L; l++) {
-        ls[l] = s[l];
-        ls[l].rot_stride = 2 * D;
-    }
-    for (int64_t b = 0; b < B; b++) rows[b] = b;
-    for (int64_t j = 1; rc == 0 && (m = keep_rows(rows, m, budget, j, NULL, H, NULL)) > 0; j++) {
-        row_inputs(rows, m, slots, pos0, j - 1, cos_sin, D, slot, pos, rot);
-        for (int64_t k = 0; k < m; k++)
-            memcpy(x + k * H, embed + tokens[rows[k] * n + j - 1] * H, H * sizeof(float));
-        for (int64_t l = 0; rc == 0 && l < L; l++)
-            rc = layer_impl(&ls[l], m, x, NULL, slot, pos, w[l], k_cache[l], v_cache[l],
-                                 rot, rot + D, NULL, 0, nthreads);
-        if (rc == 0)
-            rc = greedy_rows(x, m, H, final_norm, s[0].eps, lm_head, lm_mode, vocab, NULL,
-                             normed, logits, tok, prob, nthreads);
-        if (rc == 0) {
-            for (int64_t k = 0; k < m; k++) tokens[rows[k] * n + j] = tok[k];
-            stop_unsure(rows, m, prob, threshold, j, budget);
-        }
-    }
-    free(ls); free(x); free(normed); free(logits); free(rot); free(prob); free(ints);
-    return rc;
-}
-
 /* specserve_llama_chain's arguments by name (binding.py mirrors them). */
 typedef struct {
     const Shape *s;
     int64_t L;
+    int64_t T;                  /* rows to ingest first (0: none) */
+    const int64_t *in_tok, *in_slot, *in_pos, *last;
     int64_t B;
     int64_t n;
     const int64_t *slots;
@@ -1336,13 +1295,85 @@ typedef struct {
 
 size_t specserve_llama_chain_args_size(void) { return sizeof(LlamaChainArgs); }
 
+/* A whole decoder (a draft model) drafting greedy chains: with T > 0 it first ingests the rows
+ * the draft has not seen (token in_tok[t] at position in_pos[t] of slot in_slot[t], each
+ * request's rows in order: the catch-up pass, and PARD's mask rows after them), and draft 0
+ * of request b comes from row last[b]; with T = 0 tokens[b * n] holds it. Pass j = 1, 2, ...
+ * feeds token j-1 of the requests that draft a j-th at position pos0[b] + j - 1 of slot
+ * slots[b] through embed and the L layers (shapes s[l], weights w[l], caches k[l], v[l]) and
+ * drafts token j by greedy_rows with final_norm and lm_head. */
+static int llama_chain_impl(const LlamaChainArgs *a) {
+    const Shape *s = a->s;
+    const int64_t L = a->L, B = a->B, n = a->n, H = s[0].hidden, D = s[0].head_dim;
+    const int64_t R = a->T > B ? a->T : B;
+    int64_t *budget = a->budget, *tokens = a->tokens;
+    Shape *ls = malloc(sizeof(Shape) * L);
+    float *x = malloc(sizeof(float) * R * H), *normed = malloc(sizeof(float) * B * H);
+    float *logits = malloc(sizeof(float) * B * a->vocab);
+    float *rot = malloc(sizeof(float) * R * 2 * D);
+    float *prob = a->threshold > 0 ? malloc(sizeof(float) * B) : NULL;
+    int64_t *ints = malloc(sizeof(int64_t) * B * 4);
+    int rc = ls && x && normed && logits && rot && ints && (prob || a->threshold <= 0) ? 0 : -1;
+    int64_t *rows = ints, *slot = ints + B, *pos = ints + 2 * B, *tok = ints + 3 * B, m = B;
+    for (int64_t l = 0; rc == 0 && l < L; l++) {
+        ls[l] = s[l];
+        ls[l].rot_stride = 2 * D;
+    }
+    for (int64_t b = 0; b < B; b++) rows[b] = b;
+    if (rc == 0 && a->T > 0) {
+        for (int64_t t = 0; t < a->T; t++) {
+            memcpy(x + t * H, a->embed + a->in_tok[t] * H, H * sizeof(float));
+            memcpy(rot + t * 2 * D, a->cos_sin + a->in_pos[t] * 2 * D, 2 * D * sizeof(float));
+        }
+        for (int64_t l = 0; rc == 0 && l < L; l++)
+            rc = layer_impl(&ls[l], a->T, x, NULL, a->in_slot, a->in_pos, a->w[l],
+                            a->k_cache[l], a->v_cache[l], rot, rot + D, NULL, 0, a->nthreads);
+        /* the drafting rows to the front, in request order (last[] rises within a request) */
+        for (int64_t b = 0; rc == 0 && b < B; b++)
+            memmove(x + b * H, x + a->last[b] * H, H * sizeof(float));
+        if (rc == 0)
+            rc = greedy_rows(x, B, H, a->final_norm, s[0].eps, a->lm_head, a->lm_mode, a->vocab,
+                             NULL, normed, logits, tok, prob, a->nthreads);
+        if (rc == 0) {
+            for (int64_t b = 0; b < B; b++) tokens[b * n] = tok[b];
+            stop_unsure(rows, B, prob, a->threshold, 0, budget);
+        }
+    }
+    for (int64_t j = 1; rc == 0 && (m = keep_rows(rows, m, budget, j, NULL, H, NULL)) > 0; j++) {
+        row_inputs(rows, m, a->slots, a->pos0, j - 1, a->cos_sin, D, slot, pos, rot);
+        for (int64_t k = 0; k < m; k++)
+            memcpy(x + k * H, a->embed + tokens[rows[k] * n + j - 1] * H, H * sizeof(float));
+        for (int64_t l = 0; rc == 0 && l < L; l++)
+            rc = layer_impl(&ls[l], m, x, NULL, slot, pos, a->w[l], a->k_cache[l],
+                            a->v_cache[l], rot, rot + D, NULL, 0, a->nthreads);
+        if (rc == 0)
+            rc = greedy_rows(x, m, H, a->final_norm, s[0].eps, a->lm_head, a->lm_mode,
+                             a->vocab, NULL, normed, logits, tok, prob, a->nthreads);
+        if (rc == 0) {
+            for (int64_t k = 0; k < m; k++) tokens[rows[k] * n + j] = tok[k];
+            stop_unsure(rows, m, prob, a->threshold, j, budget);
+        }
+    }
+    free(ls); free(x); free(normed); free(logits); free(rot); free(prob); free(ints);
+    return rc;
+}
+
+/* The draft model's chain (see llama_chain_impl). Returns -1 when out of memory, -2 when an
+ * ingest row or a draft would be written outside the KV cache's positions. */
 int specserve_llama_chain(const LlamaChainArgs *a) {
-    for (int64_t b = 0; b < a->B; b++)
+    const int64_t L = a->s[0].max_len;
+    for (int64_t t = 0; t < a->T; t++)
+        if (a->in_pos[t] < 0 || a->in_pos[t] >= L) return -2;
+    for (int64_t b = 0; b < a->B; b++) {
+        /* drafting rows rise (llama_chain_impl moves them to the front in place) */
+        if (a->T > 0 && (a->last[b] < b || a->last[b] >= a->T
+                         || (b > 0 && a->last[b] <= a->last[b - 1])))
+            return -2;
         if (a->pos0[b] < 0 || a->budget[b] < 0 || a->budget[b] > a->n
-            || a->pos0[b] + a->budget[b] - 1 > a->s[0].max_len) return -2;
-    return llama_chain_impl(a->s, a->L, a->B, a->n, a->slots, a->pos0, a->budget, a->threshold,
-                            a->embed, a->final_norm, a->lm_head, a->lm_mode, a->vocab, a->cos_sin,
-                            a->w, a->k_cache, a->v_cache, a->tokens, a->nthreads);
+            || a->pos0[b] + a->budget[b] - 1 > L)
+            return -2;
+    }
+    return llama_chain_impl(a);
 }
 
 /* The all-reduce (sum) of tensor-parallel ranks on one machine, through memory they share
