@@ -142,6 +142,22 @@ def test_each_round_starts_without_the_previous_rounds_answers():
     assert [r.rounds for r in runners] == [3, 3]
 
 
+def test_the_runners_take_turns_on_every_prompt_group():
+    """Each prompt group is run by every runner before the next group starts, their order
+    reversed from group to group: a drift of the machine's speed within a round falls on all
+    configurations alike, not on whichever ran last."""
+    from specserve.bench.latency import run_suite
+    log: list[tuple[str, str]] = []
+    runners = [_Runner("a"), _Runner("b"), _Runner("c")]
+    for r in runners:
+        run = r.run
+        r.run = lambda ps, *a, _n=r.name, _run=run: log.append((_n, ps[0])) or _run(ps, *a)
+    run_suite(runners, ["p", "q", "r"], batch=1, max_tokens=3, rounds=2)
+    timed = log[3:]                                             # after the warm-up runs
+    assert timed == [(n, p) for rnd in range(2) for j, p in enumerate("pqr")
+                     for n in ("abc" if (rnd + j) % 2 == 0 else "cba")]
+
+
 def test_every_prompt_has_its_own_seed_whatever_the_batch_size():
     """Seeds follow a prompt's place in the suite, not in its batch: at batch 1 every request
     seeded 0 drew the same synthetic acceptances, a sample of one."""

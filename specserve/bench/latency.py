@@ -34,24 +34,30 @@ from specserve.token_tree import TokenTree
 
 def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: int,
               temperature: float = 0.0) -> list[Result]:
-    """Runs every runner on every prompt group per round; greedy outputs (not when sampling)
-    are compared with those of the first runner of the same dtype (the dtype's no-spec)."""
+    """Runs every runner on every prompt group per round, the runners in turn on each group
+    (their order reversed from group to group and round to round), so that a machine whose
+    speed drifts over seconds slows every configuration alike; greedy outputs (not when
+    sampling) are compared with those of the first runner of the same dtype (the dtype's
+    no-spec)."""
     results = {r.name: Result(r.name) for r in runners}
     outputs: dict[str, list[list[int]]] = {}
     groups = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     for r in runners:                                   # warm-up
         r.run(prompts[:1], 8)
+    turn = [r for r in runners if not (isinstance(r, TransformersRunner) and batch > 1)]
     for rnd in range(rounds):
-        order = runners if rnd % 2 == 0 else runners[::-1]
-        for r in order:
-            if isinstance(r, TransformersRunner) and batch > 1:
-                continue
+        spent = {r.name: 0.0 for r in turn}
+        for r in turn:
             r.new_round()
-            t = time.perf_counter()
-            outputs[r.name] = [ids for j, g in enumerate(groups)
-                               for ids in r.run(g, max_tokens, temperature, j * batch)]
+            outputs[r.name] = []
+        for j, g in enumerate(groups):
+            for r in turn if (rnd + j) % 2 == 0 else turn[::-1]:
+                t = time.perf_counter()
+                outputs[r.name] += r.run(g, max_tokens, temperature, j * batch)
+                spent[r.name] += time.perf_counter() - t
+        for r in turn:
             n = sum(len(ids) for ids in outputs[r.name])
-            results[r.name].tokens_per_s.append(n / (time.perf_counter() - t))
+            results[r.name].tokens_per_s.append(n / spent[r.name])
             if (tpot := r.tpot_ms()) is not None:
                 results[r.name].tpot_ms.append(tpot)
     first = {}
