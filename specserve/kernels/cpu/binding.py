@@ -607,7 +607,7 @@ class KVWriter:
         bf16 = {kv_bf16(c, "KVWriter") for c in caches}
         if len(bf16) != 1 or any(k.shape != k0.shape for k, _ in caches):
             raise ValueError("KVWriter: the layers' caches must share one shape and dtype")
-        S, NKV, max_len, D = k0.shape
+        _, NKV, max_len, D = k0.shape
         if cos_sin.shape[0] < max_len:
             raise ValueError(f"KVWriter: the rotary table ({cos_sin.shape[0]} positions) is "
                              f"shorter than the KV cache ({max_len})")
