@@ -533,3 +533,6 @@ def test_a_draft_models_pass_and_chains_in_one_call_draft_from_the_rows_asked(tm
                                 [1, 1, 2])
     want = greedy(ids)
     assert drafts == [[want[2]], [want[4]], [want[6], greedy(ids + [want[6]])[-1]]]
+    # the C side moves the drafting rows to the front in place: it refuses rows that fall
+    with pytest.raises(ValueError, match="C side refused"):
+        chain.after_ingest(ids, [0] * 7, list(range(7)), [4, 2], [8, 8], [0, 0], [1, 1])
