@@ -196,6 +196,18 @@ def test_table_shows_decode_speedup_from_tpot():
     assert rows["peer"][3:5] == ["", ""]
 
 
+def test_the_tokens_per_s_cell_shows_the_rounds_range():
+    """Beside the median, the slowest and fastest round: how much the machine moved."""
+    from specserve.bench.report import latency_table
+    suite = _suite()
+    suite[1]["tokens_per_s"], suite[1]["median_tokens_per_s"] = [90.0, 120.0, 100.0], 100.0
+    suite[0]["tokens_per_s"] = [50.0]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")
+            for line in latency_table(suite).splitlines()[2:]}
+    assert rows["specserve fast"][1] == "100.0 (90-120)"
+    assert rows["specserve no-spec"][1] == f"{suite[0]['median_tokens_per_s']:.1f}"
+
+
 def test_efficiency_is_the_decode_speedup_over_tau():
     """tau is what free drafting with verify steps as cheap as decode steps would give."""
     from specserve.bench.report import latency_table

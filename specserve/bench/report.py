@@ -91,7 +91,8 @@ def latency_table(results: list[dict], dtypes: list[str] = ()) -> str:
     dtype's; decode speedup and efficiency: its own dtype's, named ", DTYPE" after the first)."""
     ref = next(r for r in results if r["name"] == BASE)
     own = {d: next((r for r in results if r["name"] == f"{BASE}, {d}"), ref) for d in dtypes[1:]}
-    rows = ["| configuration | tokens/s (median) | speedup vs no-spec | TPOT ms (median) "
+    rows = ["| configuration | tokens/s (median; rounds' range) | speedup vs no-spec "
+            "| TPOT ms (median) "
             "| decode speedup (own dtype) | tau | efficiency | acceptance rate "
             "| per-position acceptance "
             "| drafting ms/step | greedy output = no-spec | resident MB |",
@@ -106,8 +107,11 @@ def latency_table(results: list[dict], dtypes: list[str] = ()) -> str:
         efficiency = "" if speedup is None or tau is None else f"{speedup / tau:.0%}"
         pp = "" if r["per_pos"] is None else ", ".join(f"{x:.2f}" for x in r["per_pos"])
         draft = "" if r.get("draft_ms") is None else f"{r['draft_ms']:.2f}"
+        rounds = r.get("tokens_per_s") or []
+        # the range shows how far the machine's speed moved between rounds
+        spread = f" ({min(rounds):.0f}-{max(rounds):.0f})" if len(rounds) > 1 else ""
         rows.append(
-            f"| {name} | {r['median_tokens_per_s']:.1f} | "
+            f"| {name} | {r['median_tokens_per_s']:.1f}{spread} | "
             f"{r['median_tokens_per_s'] / ref['median_tokens_per_s']:.2f}x | "
             f"{'' if tpot is None else f'{tpot:.2f}'} | {decode} | "
             f"{'' if tau is None else f'{tau:.2f}'} | {efficiency} | "
