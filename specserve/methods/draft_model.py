@@ -189,9 +189,9 @@ class DraftModelProposer(ProposerBase):
             # each drafting row (the last real token's, the masks') is a chain of one draft
             ends = list(itertools.accumulate(len(m) for m in masked))
             picked = [e - n + j for e, n in zip(ends, budgets) for j in range(n)]
-            pos = [s + len(m) for s, m in zip(starts, masked)]        # past the pass: unused
-            flat = [d for (d,) in self._ingest(
-                reqs, masked, starts, picked, [p for p, n in zip(pos, budgets) for _ in range(n)],
+            past = [s + len(m) for s, m, n in zip(starts, masked, budgets) for _ in range(n)]
+            flat = [d for (d,) in self._ingest(      # `past`: where a chain would feed, unused
+                reqs, masked, starts, picked, past,
                 [r.slot for r, n in zip(reqs, budgets) for _ in range(n)], [1] * len(picked))]
             return [Proposal(flat[e - n:e]) for n, e in zip(budgets,
                                                             itertools.accumulate(budgets))]

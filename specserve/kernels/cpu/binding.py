@@ -380,6 +380,17 @@ class _Chain:
         where one fell below the threshold)."""
         return [t[:n] for t, n in zip(tokens.tolist(), ints[2].tolist())]
 
+    def _ingest(self, ids: list[int], row_slots: list[int], row_positions: list[int],
+                last: list[int]) -> tuple[dict, torch.Tensor]:
+        """The ingest fields of a chain's C call: T rows (token ids[t] at row_positions[t] of
+        slot row_slots[t]) and the drafting requests' rows `last`, checked against the rotary
+        table and KV cache. The tensor returned holds them and must live until the call."""
+        self._check_end(max(row_positions) + 1, "ingest")
+        T = len(ids)
+        ints = torch.tensor([*ids, *row_slots, *row_positions, *last], dtype=torch.long)
+        at = [ints.data_ptr() + i * T * ints.element_size() for i in range(4)]
+        return {"T": T, "in_tok": at[0], "in_slot": at[1], "in_pos": at[2], "last": at[3]}, ints
+
     def _check_end(self, end: int, what: str) -> None:
         """Refuse positions from `end` on (the C code reads rotary rows unchecked)."""
         if end > self.max_positions:
@@ -424,15 +435,11 @@ class HeadChain(_Chain):
         h [T, H], fuse_target's output, at row_positions[t] of slot row_slots[t]), as its
         forward would run it, then __call__ from the output rows `last` (one per drafting
         request): one C call instead of the PyTorch pass and the chain."""
-        self._check_end(max(row_positions) + 1, "ingest")
+        ingest, _alive = self._ingest(ids, row_slots, row_positions, last)   # until the call
         h = h.contiguous().clone()                               # the C call overwrites it
-        ints = torch.tensor([ids, row_slots, row_positions], dtype=torch.long)     # [3, T]
-        last_t = torch.tensor(last, dtype=torch.long)
         state = h.new_empty(len(last), h.shape[1])
-        ingest = {"T": len(ids), "in_tok": ints[0].data_ptr(), "in_h": h.data_ptr(),
-                  "in_slot": ints[1].data_ptr(), "in_pos": ints[2].data_ptr(),
-                  "last": last_t.data_ptr()}
-        return self._draft(ingest, state, positions, slots, budgets, threshold)
+        return self._draft(ingest | {"in_h": h.data_ptr()}, state, positions, slots, budgets,
+                           threshold)
 
     def _draft(self, ingest: dict, state: torch.Tensor, positions: list[int],
                slots: list[int], budgets: list[int], threshold: float) -> list[list[int]]:
@@ -498,12 +505,8 @@ class LlamaChain(_Chain):
         slot row_slots[t]), as its forward would run it, then __call__ with each drafting
         row's first draft from the pass's output row last[b] (rising), the threshold applying
         to it too: one C call instead of the PyTorch pass and the chain."""
-        self._check_end(max(row_positions) + 1, "ingest")
-        ints = torch.tensor([ids, row_slots, row_positions], dtype=torch.long)     # [3, T]
-        last_t = torch.tensor(last, dtype=torch.long)
+        ingest, _alive = self._ingest(ids, row_slots, row_positions, last)   # until the call
         tokens = torch.empty(len(slots), max(budgets), dtype=torch.long)
-        ingest = {"T": len(ids), "in_tok": ints[0].data_ptr(), "in_slot": ints[1].data_ptr(),
-                  "in_pos": ints[2].data_ptr(), "last": last_t.data_ptr()}
         return self._draft(ingest, tokens, positions, slots, budgets, threshold)
 
     def _draft(self, ingest: dict, tokens: torch.Tensor, positions: list[int],

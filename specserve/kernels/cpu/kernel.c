@@ -29,9 +29,9 @@
 /* Vector width by instruction set: a v16 on a 256-bit machine spills registers and ran at a
  * tenth of the speed. ACC: accumulators a linear tile keeps (GROUP per row it runs at once).
  * With AVX2, 20 (five rows: a K=4 verify step in one pass) is more than its 16 registers
- * hold, yet on an AMD EPYC (Zen 3) a 5-row product ran about 1.3x faster than in passes of
- * 4 + 1 rows or 2 + 2 + 1: a pass widens every weight again (the products, not the bytes,
- * bound a few-row step there). */
+ * hold, yet on an AMD EPYC (Zen 3) a 5-row product ran faster than in passes of 4 + 1 rows
+ * or 2 + 2 + 1: a pass widens every weight again (the products, not the bytes, bound a
+ * few-row step there). */
 #if defined(__AVX512F__)
 #define VL 16
 #define ACC 24
