@@ -1,7 +1,8 @@
 """specserve against llama.cpp on the same weights, side by side in one run (CPU, batch 1,
 greedy). Not a test; CI does not run it.
 
-    python benchmarks/llama_cpp.py [--random llama-3.2-1b] [--tokens 128] [--publish]
+    python benchmarks/llama_cpp.py [--random llama-3.2-1b] [--tokens 128] [-k 2,3,4]
+                                   [--rounds 3] [--publish]
 
 1. Builds llama.cpp from the llama-cpp-python source distribution on PyPI (its vendored
    llama.cpp; `llama-bench`, `llama-speculative-simple`) under runs/llama.cpp/, once.
@@ -9,13 +10,17 @@ greedy). Not a test; CI does not run it.
    decoding is bound by reading weights) to GGUF with llama.cpp's convert_hf_to_gguf.py, in
    BF16 and Q8_0. The zoo's byte-level BPE is GPT-2's pre-tokenizer, which the converter cannot
    recognise by its hash of the tokens: it is told so.
-3. Decode speed, prompt time left out, in tokens/s:
-   - llama.cpp plain: `llama-bench -p 0 -n TOKENS` (its mean);
+3. Decode speed, prompt time left out, in tokens/s, every configuration once per round, the
+   rounds' order reversed each round (this VM's speed drifts by a fifth within minutes: each
+   configuration then meets every speed alike), the median over the rounds:
+   - llama.cpp plain: `llama-bench -p 0 -n TOKENS -r 1`;
    - llama.cpp speculative: `llama-speculative-simple` with the draft (greedy, draft-max K),
      the median over the held-out completion prompts of its "decoded ... t/s";
    - specserve: the median over the same prompts of the time per output token after the first
      (no-spec, draft_model and eagle3; bfloat16 beside BF16, int8 beside Q8_0, the drafter's
-     weights in the same precision as the target's, as llama.cpp's draft GGUF).
+     weights in the same precision as the target's, as llama.cpp's draft GGUF). Each engine
+     is loaded once and warmed up before the first round.
+   Speculation runs at each K of `-k` on both sides: each side's best K counts.
 Writes runs/llama_cpp/llama-cpp-DATE.{json,md}; with --publish, benchmarks/latest/llama-cpp.*
 and a line in benchmarks/HISTORY.md.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import re
@@ -31,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -120,7 +127,7 @@ def gguf(src: Path, model_dir: str, outtype: str) -> Path:
 
 def llama_plain(model: Path, tokens: int, threads: int) -> float:
     out = run([str(WORK / "build" / "bin" / "llama-bench"), "-m", str(model), "-p", "0", "-n",
-               str(tokens), "-t", str(threads), "-r", "3", "-o", "json"])
+               str(tokens), "-t", str(threads), "-r", "1", "-o", "json"])
     rows = json.loads(out[out.index("["):out.rindex("]") + 1])
     return float(rows[0]["avg_ts"])
 
@@ -138,17 +145,30 @@ def llama_speculative(target: Path, draft: Path, prompts: list[str], tokens: int
     return statistics.median(speeds)
 
 
-def specserve_decode(target: str, spec: dict | None, precision: dict, prompts: list[str],
-                     tokens: int) -> float:
-    """tokens/s after the first token, median over prompts (the second of two passes)."""
+def specserve_engine(target: str, spec: dict | None, precision: dict, prompt: str) -> LLM:
+    """An engine for one configuration, warmed up on one prompt."""
     llm = LLM(target, device="cpu", speculative_config=spec, max_num_seqs=1, freeze_gc=True,
               **precision)
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    return llm
+
+
+def specserve_decode(llm: LLM, prompts: list[str], tokens: int) -> float:
+    """tokens/s after the first token, median over prompts."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    for _ in range(2):
-        outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+    outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
     return statistics.median((len(o.outputs[0].token_ids) - 1)
                              / (o.metrics["finish_time"] - o.metrics["first_token_time"])
                              for o in outs)
+
+
+def _cell(v: dict, side: str) -> str:
+    """ "median (min-max)" of one side's rounds."""
+    if side not in v:
+        return ""
+    rounds = v.get(f"{side} rounds") or []
+    spread = f" ({min(rounds):.0f}-{max(rounds):.0f})" if len(rounds) > 1 else ""
+    return f"{v[side]:.1f}{spread}"
 
 
 def markdown(data: dict) -> str:
@@ -157,8 +177,9 @@ def markdown(data: dict) -> str:
              f"- {m['date']}, commit {m['commit']}; {m['cpu']} ({m['cpus']} CPUs), "
              f"{data['threads']} threads; llama.cpp from {data['llama_cpp']}",
              f"- command: `{data['command']}`",
-             f"- batch 1, greedy, decode tokens/s after the first token; K={data['k']}; "
-             f"{data['tokens']} new tokens, {data['num_prompts']} held-out completion prompts", ""]
+             f"- batch 1, greedy, decode tokens/s after the first token: median over "
+             f"{data.get('rounds', 1)} rounds (their range); K={data['k']}; {data['tokens']} "
+             f"new tokens, {data['num_prompts']} held-out completion prompts", ""]
     for name, rows in data["models"].items():
         best_l = max(v["llama.cpp"] for configs in rows.values() for v in configs.values()
                      if "llama.cpp" in v)
@@ -171,8 +192,8 @@ def markdown(data: dict) -> str:
                 l, s = v.get("llama.cpp"), v.get("specserve")
                 ratio = "" if l is None or s is None else f"{s / l:.2f}x"
                 best = "" if s is None else f"{s / best_l:.2f}x"
-                lines.append(f"| {prec} | {config} | {'' if l is None else f'{l:.1f}'} | "
-                             f"{'' if s is None else f'{s:.1f}'} | {ratio} | {best} |")
+                lines.append(f"| {prec} | {config} | {_cell(v, 'llama.cpp')} | "
+                             f"{_cell(v, 'specserve')} | {ratio} | {best} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -187,7 +208,8 @@ def main() -> None:
                         "('' = none)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("-k", type=int, default=4)
+    p.add_argument("-k", default="2,3,4", help="the K of speculation, comma-separated")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     p.add_argument("--publish", action="store_true")
     a = p.parse_args()
@@ -195,36 +217,49 @@ def main() -> None:
     os.chdir(REPO)
     src = build()
     prompts = PROMPT_SETS["completion"](a.num_prompts)
-    models: dict[str, dict] = {}
-    bundled: dict[str, dict] = {}
+    ks = [int(k) for k in a.k.split(",")]
+    # (model, precision, configuration, side) -> what measures it once, in tokens/s
+    runs: dict[tuple[str, str, str, str], Callable[[], float]] = {}
+    bundled = f"bundled pair ({a.target}, {a.draft})"
     for outtype, (precision, drafter) in PRECISIONS.items():
         t, d = gguf(src, a.target, outtype), gguf(src, a.draft, outtype)
-        bundled[outtype] = {
-            "no speculation": {
-                "llama.cpp": llama_plain(t, a.tokens, a.threads),
-                "specserve": specserve_decode(a.target, None, precision, prompts, a.tokens)},
-            f"draft model (code-draft), K={a.k}": {
-                "llama.cpp": llama_speculative(t, d, prompts, a.tokens, a.k, a.threads),
-                "specserve": specserve_decode(a.target, {
-                    "method": "draft_model", "model": a.draft, "num_speculative_tokens": a.k,
-                    **drafter},
-                    precision, prompts, a.tokens)},
-            f"EAGLE-3 head, K={a.k} (specserve only)": {
-                "specserve": specserve_decode(a.target, {
-                    "method": "eagle3", "model": a.head, "num_speculative_tokens": a.k,
-                    **drafter},
-                    precision, prompts, a.tokens)}}
-    models[f"bundled pair ({a.target}, {a.draft})"] = bundled
+        specs = {"no speculation": None}
+        runs[(bundled, outtype, "no speculation", "llama.cpp")] = functools.partial(
+            llama_plain, t, a.tokens, a.threads)
+        for k in ks:
+            specs[f"draft model (code-draft), K={k}"] = {
+                "method": "draft_model", "model": a.draft, "num_speculative_tokens": k, **drafter}
+            runs[(bundled, outtype, f"draft model (code-draft), K={k}", "llama.cpp")] = \
+                functools.partial(llama_speculative, t, d, prompts, a.tokens, k, a.threads)
+        for k in ks:
+            specs[f"EAGLE-3 head, K={k} (specserve only)"] = {
+                "method": "eagle3", "model": a.head, "num_speculative_tokens": k, **drafter}
+        for config, spec in specs.items():
+            llm = specserve_engine(a.target, spec, precision, prompts[0])
+            runs[(bundled, outtype, config, "specserve")] = functools.partial(
+                specserve_decode, llm, prompts, a.tokens)
     if a.random:
         target = resolve("random:" + a.random, a.target)
-        models[f"random:{a.random} (memory-bound)"] = {outtype: {"no speculation": {
-            "llama.cpp": llama_plain(gguf(src, target, outtype), a.tokens, a.threads),
-            "specserve": specserve_decode(target, None, precision, prompts[:2], a.tokens)}}
-            for outtype, (precision, _) in PRECISIONS.items()}
+        name = f"random:{a.random} (memory-bound)"
+        for outtype, (precision, _) in PRECISIONS.items():
+            runs[(name, outtype, "no speculation", "llama.cpp")] = functools.partial(
+                llama_plain, gguf(src, target, outtype), a.tokens, a.threads)
+            llm = specserve_engine(target, None, precision, prompts[0])
+            runs[(name, outtype, "no speculation", "specserve")] = functools.partial(
+                specserve_decode, llm, prompts[:2], a.tokens)
+    measured: dict[tuple, list[float]] = {key: [] for key in runs}
+    for r in range(a.rounds):
+        for key in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            measured[key].append(runs[key]())
+    models: dict[str, dict] = {}
+    for (model, outtype, config, side), speeds in measured.items():
+        v = models.setdefault(model, {}).setdefault(outtype, {}).setdefault(config, {})
+        v[side], v[f"{side} rounds"] = statistics.median(speeds), speeds
     data = {"benchmark": "llama-cpp", "title": "specserve against llama.cpp (CPU, same weights)",
             "command": "python benchmarks/llama_cpp.py " + " ".join(sys.argv[1:]),
             "machine": machine(a.threads),
             "llama_cpp": src.parent.parent.name, "threads": a.threads, "k": a.k,
+            "rounds": a.rounds,
             "tokens": a.tokens, "num_prompts": a.num_prompts, "models": models}
     stem = f"llama-cpp-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     out = REPO / "runs" / "llama_cpp"
@@ -238,7 +273,7 @@ def main() -> None:
         latest.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
         latest.with_suffix(".md").write_text(table + "\n")
         ratios = "; ".join(f"{name}: " + ", ".join(
-            f"{prec} {cfg.split(',')[0]} {v['specserve'] / v['llama.cpp']:.2f}x"
+            f"{prec} {cfg} {v['specserve'] / v['llama.cpp']:.2f}x"
             for prec, cfgs in rows.items() for cfg, v in cfgs.items()
             if "llama.cpp" in v and "specserve" in v) for name, rows in models.items())
         with (REPO / "benchmarks" / "HISTORY.md").open("a") as f:
