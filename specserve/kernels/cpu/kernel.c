@@ -191,8 +191,9 @@ static inline void prefetch_ahead(const void *p, int64_t bytes) {
  * a fifth less time than with each block's inputs contiguous: four streams). A tile of a
  * group (wp: its first block) times tb <= ROWS rows keeps its tb * GROUP accumulators in
  * registers while the weights stream past once; each output is summed over i in order, the
- * same for every tb. For PAIRS, x holds the rows as bfloat16 pairs
- * (uint32, `in` of them per row: here `in` counts pairs). I8 runs in tile_i8. */
+ * same for every tb. For PAIRS `in` counts pairs, and x holds each row's pairs as bfloat16
+ * pairs (uint32) with AVX512-BF16, else as two floats rounded to bfloat16 (PAIRS_FLOATS). I8
+ * runs in tile_i8. */
 static inline __attribute__((always_inline)) void tile(const void *wp, int mode, const void *xp,
                                                        int64_t in, int tb, float *y) {
 #if defined(__AVX512BF16__) && VL == 16
@@ -220,7 +221,7 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
     for (int t = 0; t < tb; t++)
         for (int b = 0; b < GROUP; b++) acc[t][b] = (vf){0};
     if (mode == PAIRS) {        /* no AVX512-BF16: widen; the odd input first, as it does */
-        const uint32_t *x = xp;
+        const float *x = xp;
         for (int64_t i = 0; i < in; i++) {
             prefetch_ahead((const uint32_t *)wp + i * GROUP * VL, GROUP * VL * 4);
             vf lo[GROUP], hi[GROUP];
@@ -231,10 +232,7 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
                 hi[b] = (vf)(w & (int32_t)0xffff0000u);
             }
             for (int t = 0; t < tb; t++) {
-                const uint32_t u = x[t * in + i], ulo = u << 16, uhi = u & 0xffff0000u;
-                float xlo, xhi;
-                memcpy(&xlo, &ulo, 4);
-                memcpy(&xhi, &uhi, 4);
+                const float xlo = x[2 * (t * in + i)], xhi = x[2 * (t * in + i) + 1];
                 for (int b = 0; b < GROUP; b++) {
                     acc[t][b] += hi[b] * xhi;
                     acc[t][b] += lo[b] * xlo;
@@ -441,13 +439,29 @@ static inline uint32_t bf16_bits(float f) {
     return (u + 0x7fffu + ((u >> 16) & 1)) >> 16;
 }
 
-/* rows [T, in] of floats -> [T, ceil(in / 2)] bfloat16 pairs (input 2i in the low half) */
-static void to_pairs(const float *x, int64_t T, int64_t in, uint32_t *out) {
+/* How a PAIRS tile takes its inputs: as bfloat16 pairs (uint32) for AVX512-BF16's pair
+ * products, else as floats rounded to bfloat16, two per pair: a broadcast load each, where
+ * unpacking a pair per row and input cost a few instructions beside its two products. */
+#if defined(__AVX512BF16__) && VL == 16
+#define PAIRS_FLOATS 0
+#else
+#define PAIRS_FLOATS 1
+#endif
+
+/* rows [T, in] of floats -> [T, ceil(in / 2)] bfloat16 pairs (input 2i in the low half) as
+ * uint32, or (PAIRS_FLOATS) as two floats holding those bfloat16 values */
+static void to_pairs(const float *x, int64_t T, int64_t in, void *out) {
     const int64_t in2 = (in + 1) / 2;
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < in2; i++) {
             const float *r = x + t * in + 2 * i;
-            out[t * in2 + i] = bf16_bits(r[0]) | (2 * i + 1 < in ? bf16_bits(r[1]) << 16 : 0);
+            const uint32_t lo = bf16_bits(r[0]), hi = 2 * i + 1 < in ? bf16_bits(r[1]) : 0;
+            if (PAIRS_FLOATS) {
+                const uint32_t f[2] = {lo << 16, hi << 16};
+                memcpy((float *)out + 2 * (t * in2 + i), f, 8);
+            } else {
+                ((uint32_t *)out)[t * in2 + i] = lo | hi << 16;
+            }
         }
 }
 
@@ -594,14 +608,16 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
                                 : (mode == F32 ? in : (in + 1) / 2) * GROUP * VL * 4;
     if (T == 0) return 0;
     const void *xs = x;
-    uint32_t *pairs = NULL;
+    void *pairs = NULL;
+    /* bytes of an input row as the tiles take it */
+    const int64_t row_bytes = mode == PAIRS && PAIRS_FLOATS ? in_x * 8 : in_x * 4;
     QRows q = {0};
     if (mode == I8 && quantize_rows(x, T, in, &q, nthreads)) {
         free_qrows(&q);
         return -1;
     }
     if (mode == PAIRS) {
-        if (!(pairs = malloc(sizeof(uint32_t) * T * in_x))) return -1;
+        if (!(pairs = malloc(row_bytes * T))) return -1;
         to_pairs(x, T, in, pairs);
         xs = pairs;
 #ifdef HAVE_AMX
@@ -621,7 +637,7 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
         const int64_t o0 = c * width, m = out - o0 < width ? out - o0 : width;
         for (int64_t k = 0, t0 = 0; k < passes; k++) {
             const int64_t n = T / passes + (k < T % passes);
-            const void *xg = (const char *)xs + t0 * in_x * 4;
+            const void *xg = (const char *)xs + t0 * row_bytes;
             if (mode == PAIRS) {
                 TILES(PAIRS)
             } else if (mode == BF16) {
