@@ -11,7 +11,7 @@ greedy). Not a test; CI does not run it.
    BF16 and Q8_0. The zoo's byte-level BPE is GPT-2's pre-tokenizer, which the converter cannot
    recognise by its hash of the tokens: it is told so.
 3. Decode speed, prompt time left out, in tokens/s, every configuration once per round, the
-   rounds' order reversed each round (this VM's speed drifts by a fifth within minutes: each
+   rounds' order reversed each round (this VM's speed drifts by a third within minutes: each
    configuration then meets every speed alike), the median over the rounds:
    - llama.cpp plain: `llama-bench -p 0 -n TOKENS -r 1`;
    - llama.cpp speculative: `llama-speculative-simple` with the draft (greedy, draft-max K),

@@ -169,11 +169,6 @@ enum { F32, BF16, PAIRS, I8 };
  * bandwidth; on an AMD EPYC (Zen 3) a bfloat16 product of the 1B shape's width streamed 19 GB/s
  * at one row without it and 25 GB/s with it (five rows: a quarter less time). */
 #define PREFETCH 8192
-
-/* Ask for the `bytes` of weights PREFETCH past p, a cache line at a time. */
-static inline void prefetch_ahead(const void *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + PREFETCH + o);
-}
 #define CHUNK 6                 /* I8: rows whose integer sums a tile keeps in registers */
 #if defined(__AVX2__) && VL == 8
 #define I8_AVX2 1               /* tile_i8's AVX2 products take signed weights: no offset */
@@ -183,6 +178,11 @@ static inline void prefetch_ahead(const void *p, int64_t bytes) {
 #define I8_OFFSET 128           /* the unsigned weights' offset, taken back from each sum */
 #endif
 #define ROWS (ACC / GROUP)      /* rows a tile runs at once, GROUP accumulators each */
+
+/* Ask for the `bytes` of weights PREFETCH past p, a cache line at a time. */
+static inline void prefetch_ahead(const void *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + PREFETCH + o);
+}
 
 /* Weights are packed as [ceil(out / (GROUP VL))][in][GROUP][VL] (F32) or
  * [..][in / 2][GROUP][VL][2] (BF16, PAIRS; `in` rounded up to even): groups of GROUP blocks of VL
