@@ -164,10 +164,9 @@ static float dot(const float *a, const float *b, int64_t n) {
 enum { F32, BF16, PAIRS, I8 };
 #define GROUP 4                 /* blocks a packed weight keeps input by input together */
 #define QB 32                   /* I8: inputs per activation scale */
-/* How far ahead a tile asks for its weights. With a few rows an I8 tile's products take long
- * enough that the hardware prefetcher alone left the weight stream short of the memory
- * bandwidth; on an AMD EPYC (Zen 3) a bfloat16 product of the 1B shape's width streamed 19 GB/s
- * at one row without it and 25 GB/s with it (five rows: a quarter less time). */
+/* How far ahead a tile asks for its weights: the hardware prefetcher alone left the weight
+ * stream short of the memory bandwidth, for an I8 tile of a few rows (its products take long)
+ * and, on an AMD EPYC (Zen 3), for bfloat16 and float32 tiles too. */
 #define PREFETCH 8192
 #define CHUNK 6                 /* I8: rows whose integer sums a tile keeps in registers */
 #if defined(__AVX2__) && VL == 8
@@ -1320,18 +1319,43 @@ typedef struct {
 
 size_t specserve_llama_chain_args_size(void) { return sizeof(LlamaChainArgs); }
 
+/* The draft model's L layers (shapes ls[l]) over the m rows x [m, H], in place, at positions
+ * pos of KV slots slot with rotary rows rot. */
+static int llama_layers(const LlamaChainArgs *a, const Shape *ls, int64_t m, float *x,
+                        const int64_t *slot, const int64_t *pos, const float *rot) {
+    int rc = 0;
+    for (int64_t l = 0; rc == 0 && l < a->L; l++)
+        rc = layer_impl(&ls[l], m, x, NULL, slot, pos, a->w[l], a->k_cache[l], a->v_cache[l],
+                        rot, rot + ls[l].head_dim, NULL, 0, a->nthreads);
+    return rc;
+}
+
+/* Draft j of the m requests rows[k] from their layer outputs x [m, H]: greedy_rows with
+ * final_norm and lm_head into tokens[rows[k] * n + j], then stop_unsure. Scratch: normed
+ * [m, H], logits [m, vocab], tok [m], prob [m] (NULL without a threshold). */
+static int llama_draft(const LlamaChainArgs *a, int64_t m, const int64_t *rows, int64_t j,
+                       const float *x, float *normed, float *logits, int64_t *tok,
+                       float *prob) {
+    int rc = greedy_rows(x, m, a->s[0].hidden, a->final_norm, a->s[0].eps, a->lm_head,
+                         a->lm_mode, a->vocab, NULL, normed, logits, tok, prob, a->nthreads);
+    if (rc == 0) {
+        for (int64_t k = 0; k < m; k++) a->tokens[rows[k] * a->n + j] = tok[k];
+        stop_unsure(rows, m, prob, a->threshold, j, a->budget);
+    }
+    return rc;
+}
+
 /* A whole decoder (a draft model) drafting greedy chains: with T > 0 it first ingests the rows
  * the draft has not seen (token in_tok[t] at position in_pos[t] of slot in_slot[t], each
  * request's rows in order: the catch-up pass, and PARD's mask rows after them), and draft 0
  * of request b comes from row last[b]; with T = 0 tokens[b * n] holds it. Pass j = 1, 2, ...
  * feeds token j-1 of the requests that draft a j-th at position pos0[b] + j - 1 of slot
  * slots[b] through embed and the L layers (shapes s[l], weights w[l], caches k[l], v[l]) and
- * drafts token j by greedy_rows with final_norm and lm_head. */
+ * drafts token j. */
 static int llama_chain_impl(const LlamaChainArgs *a) {
     const Shape *s = a->s;
-    const int64_t L = a->L, B = a->B, n = a->n, H = s[0].hidden, D = s[0].head_dim;
+    const int64_t L = a->L, B = a->B, H = s[0].hidden, D = s[0].head_dim;
     const int64_t R = a->T > B ? a->T : B;
-    int64_t *budget = a->budget, *tokens = a->tokens;
     Shape *ls = malloc(sizeof(Shape) * L);
     float *x = malloc(sizeof(float) * R * H), *normed = malloc(sizeof(float) * B * H);
     float *logits = malloc(sizeof(float) * B * a->vocab);
@@ -1350,34 +1374,20 @@ static int llama_chain_impl(const LlamaChainArgs *a) {
             memcpy(x + t * H, a->embed + a->in_tok[t] * H, H * sizeof(float));
             memcpy(rot + t * 2 * D, a->cos_sin + a->in_pos[t] * 2 * D, 2 * D * sizeof(float));
         }
-        for (int64_t l = 0; rc == 0 && l < L; l++)
-            rc = layer_impl(&ls[l], a->T, x, NULL, a->in_slot, a->in_pos, a->w[l],
-                            a->k_cache[l], a->v_cache[l], rot, rot + D, NULL, 0, a->nthreads);
+        rc = llama_layers(a, ls, a->T, x, a->in_slot, a->in_pos, rot);
         /* the drafting rows to the front, in request order (last[] rises within a request) */
         for (int64_t b = 0; rc == 0 && b < B; b++)
             memmove(x + b * H, x + a->last[b] * H, H * sizeof(float));
-        if (rc == 0)
-            rc = greedy_rows(x, B, H, a->final_norm, s[0].eps, a->lm_head, a->lm_mode, a->vocab,
-                             NULL, normed, logits, tok, prob, a->nthreads);
-        if (rc == 0) {
-            for (int64_t b = 0; b < B; b++) tokens[b * n] = tok[b];
-            stop_unsure(rows, B, prob, a->threshold, 0, budget);
-        }
+        if (rc == 0) rc = llama_draft(a, B, rows, 0, x, normed, logits, tok, prob);
     }
-    for (int64_t j = 1; rc == 0 && (m = keep_rows(rows, m, budget, j, NULL, H, NULL)) > 0; j++) {
+    for (int64_t j = 1; rc == 0 && (m = keep_rows(rows, m, a->budget, j, NULL, H, NULL)) > 0;
+         j++) {
         row_inputs(rows, m, a->slots, a->pos0, j - 1, a->cos_sin, D, slot, pos, rot);
         for (int64_t k = 0; k < m; k++)
-            memcpy(x + k * H, a->embed + tokens[rows[k] * n + j - 1] * H, H * sizeof(float));
-        for (int64_t l = 0; rc == 0 && l < L; l++)
-            rc = layer_impl(&ls[l], m, x, NULL, slot, pos, a->w[l], a->k_cache[l],
-                            a->v_cache[l], rot, rot + D, NULL, 0, a->nthreads);
-        if (rc == 0)
-            rc = greedy_rows(x, m, H, a->final_norm, s[0].eps, a->lm_head, a->lm_mode,
-                             a->vocab, NULL, normed, logits, tok, prob, a->nthreads);
-        if (rc == 0) {
-            for (int64_t k = 0; k < m; k++) tokens[rows[k] * n + j] = tok[k];
-            stop_unsure(rows, m, prob, a->threshold, j, budget);
-        }
+            memcpy(x + k * H, a->embed + a->tokens[rows[k] * a->n + j - 1] * H,
+                   H * sizeof(float));
+        rc = llama_layers(a, ls, m, x, slot, pos, rot);
+        if (rc == 0) rc = llama_draft(a, m, rows, j, x, normed, logits, tok, prob);
     }
     free(ls); free(x); free(normed); free(logits); free(rot); free(prob); free(ints);
     return rc;
