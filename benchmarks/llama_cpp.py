@@ -45,7 +45,7 @@ import torch
 from specserve import LLM, SamplingParams
 from specserve.bench.probes import machine
 from specserve.bench.random_models import resolve
-from specserve.bench.report import published_suffix
+from specserve.bench.report import median_cell, published_suffix
 from specserve.data.prompts import PROMPT_SETS
 from specserve.kernels.cpu import cpu_flags
 
@@ -163,12 +163,7 @@ def specserve_decode(llm: LLM, prompts: list[str], tokens: int) -> float:
 
 
 def _cell(v: dict, side: str) -> str:
-    """ "median (min-max)" of one side's rounds."""
-    if side not in v:
-        return ""
-    rounds = v.get(f"{side} rounds") or []
-    spread = f" ({min(rounds):.0f}-{max(rounds):.0f})" if len(rounds) > 1 else ""
-    return f"{v[side]:.1f}{spread}"
+    return median_cell(v[side], v.get(f"{side} rounds") or []) if side in v else ""
 
 
 def markdown(data: dict) -> str:

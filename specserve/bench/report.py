@@ -86,6 +86,12 @@ def _mb(value: float | None) -> str:
     return "" if value is None else f"{value:.0f}"
 
 
+def median_cell(median: float, rounds: list[float]) -> str:
+    """ "median (min-max)": the range shows how far the machine's speed moved between rounds."""
+    spread = f" ({min(rounds):.0f}-{max(rounds):.0f})" if len(rounds) > 1 else ""
+    return f"{median:.1f}{spread}"
+
+
 def latency_table(results: list[dict], dtypes: list[str] = ()) -> str:
     """One suite: a row per configuration with its speedups over no-spec (tokens/s: the first
     dtype's; decode speedup and efficiency: its own dtype's, named ", DTYPE" after the first)."""
@@ -107,11 +113,8 @@ def latency_table(results: list[dict], dtypes: list[str] = ()) -> str:
         efficiency = "" if speedup is None or tau is None else f"{speedup / tau:.0%}"
         pp = "" if r["per_pos"] is None else ", ".join(f"{x:.2f}" for x in r["per_pos"])
         draft = "" if r.get("draft_ms") is None else f"{r['draft_ms']:.2f}"
-        rounds = r.get("tokens_per_s") or []
-        # the range shows how far the machine's speed moved between rounds
-        spread = f" ({min(rounds):.0f}-{max(rounds):.0f})" if len(rounds) > 1 else ""
         rows.append(
-            f"| {name} | {r['median_tokens_per_s']:.1f}{spread} | "
+            f"| {name} | {median_cell(r['median_tokens_per_s'], r.get('tokens_per_s') or [])} | "
             f"{r['median_tokens_per_s'] / ref['median_tokens_per_s']:.2f}x | "
             f"{'' if tpot is None else f'{tpot:.2f}'} | {decode} | "
             f"{'' if tau is None else f'{tau:.2f}'} | {efficiency} | "
