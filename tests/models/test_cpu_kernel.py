@@ -124,13 +124,14 @@ def test_a_row_does_not_depend_on_what_else_is_in_the_step(hf_model):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [{}, {"head_dim": 64, "hidden_size": 96,
                                          "num_attention_heads": 3, "num_key_value_heads": 1},
-                                   {"head_dim": 24, "num_attention_heads": 4}])
+                                   {"head_dim": 24, "num_attention_heads": 4},
+                                   {"head_dim": 128, "num_attention_heads": 2}])
 def test_a_five_row_verify_equals_five_decodes_bit_for_bit(shape, kv_dtype, tmp_path):
     """The lossless-greedy property at its root: the rows of a causal run (whose queries share
     passes over the values, each seeing one key more than the last) come out exactly as the
     same tokens decoded one at a time. head_dim 16, 64 (three query heads per KV head, as in
-    the bundled target) and 24 (not a multiple of the vector width); the KV cache in float32
-    and in bfloat16."""
+    the bundled target), 24 (not a multiple of the vector width) and 128 (values summed in
+    several passes over the columns); the KV cache in float32 and in bfloat16."""
     from tests.conftest import make_hf_model
     make_hf_model("llama", tmp_path, **shape)
     g = torch.Generator().manual_seed(3)
@@ -148,6 +149,22 @@ def test_a_five_row_verify_equals_five_decodes_bit_for_bit(shape, kv_dtype, tmp_
     (h5, kv5), (h1, kv1) = outs
     assert torch.equal(h5, h1)
     assert all(torch.equal(a, b) for a, b in zip(kv5, kv1))
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_wide_heads_attend_as_transformers_does(head_dim, tmp_path):
+    """Heads wider than the kernel's one pass over the values (Llama-3-8B's and Qwen3's 128)
+    decode as transformers does, one token at a time past several blocks of keys."""
+    from tests.conftest import make_hf_model
+    from tests.models.test_llama import TOL, Stepper, ref_logits
+    hf = make_hf_model("llama", tmp_path, head_dim=head_dim, num_attention_heads=2,
+                       num_key_value_heads=1)
+    ids = torch.randint(0, 96, (45,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref = ref_logits(hf, ids)
+    s = Stepper(tmp_path, kind="kernel")
+    s.run([ids[:17]], [0], [1])
+    for i in range(17, 45):
+        assert (s.run([[ids[i]]], [i], [1])[0][0] - ref[i]).abs().max() <= TOL, f"position {i}"
 
 
 def test_the_one_call_forward_equals_the_layer_by_layer_kernel_path(hf_model):

@@ -732,7 +732,7 @@ static inline __attribute__((always_inline)) void wsum_pass(const float *p, int6
         for (int c = 0; c < nv; c++) storev(out[q] + c * VL, acc[q][c]);
 }
 
-#define WS(NQ, NV) case NQ * 16 + NV: wsum_pass(pr, ldp, NQ, NV, Lc, v, D, bf16, out); break;
+#define WS(NQ, NV) case NQ * 16 + NV: wsum_pass(pr, ldp, NQ, NV, Lc, vc, D, bf16, out); break;
 #define WS8(NV) WS(1, NV) WS(2, NV) WS(3, NV) WS(4, NV) WS(5, NV) WS(6, NV) WS(7, NV) WS(8, NV)
 
 /* The attention outputs of nq queries over the values v [L, D] of one KV head: query r is head
@@ -742,18 +742,31 @@ static inline __attribute__((always_inline)) void wsum_pass(const float *p, int6
 static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group,
                           const int64_t *lens, const void *v, int64_t D, int bf16,
                           const float *inv, float *o, int64_t ld) {
-    const int64_t nv = D % VL == 0 ? D / VL : 0;
-    const int fast = nv == 1 || nv == 2 || nv == 4 || nv == 8;
-    const int64_t per = !fast ? 1 : ACC / nv < 8 ? ACC / nv : 8;
+    const int64_t nv_all = D % VL == 0 ? D / VL : 0;
+    /* a pass sums nv vectors of columns (wider heads in several passes) for `per` queries */
+    const int64_t nv = nv_all % 8 == 0 ? 8 : nv_all % 4 == 0 ? 4 : nv_all % 2 == 0 ? 2 : 1;
+    const int fast = nv_all > 0;
+#if VL == 16
+    const int64_t regs = ACC;
+#else
+    const int64_t regs = 16 - nv;   /* AVX2's 16 registers hold the sums and one value row */
+#endif
+    const int64_t per = !fast ? 1 : regs / nv < 1 ? 1 : regs / nv < 8 ? regs / nv : 8;
     for (int64_t r0 = 0; r0 < nq; r0 += per) {
         const int64_t n = nq - r0 < per ? nq - r0 : per, Lc = lens[r0 / group];
         const float *pr = p + r0 * ldp;
         float *out[8];
+        if (fast) {
+            for (int64_t c0 = 0; c0 < D; c0 += nv * VL) {
+                for (int64_t k = 0; k < n; k++)
+                    out[k] = o + (r0 + k) / group * ld + (r0 + k) % group * D + c0;
+                const void *vc = (const char *)v + c0 * (bf16 ? 2 : 4);
+                switch (n * 16 + nv) { WS8(1) WS8(2) WS8(4) WS8(8) }
+            }
+        }
         for (int64_t k = 0; k < n; k++)
             out[k] = o + (r0 + k) / group * ld + (r0 + k) % group * D;
-        if (fast) {
-            switch (n * 16 + nv) { WS8(1) WS8(2) WS8(4) WS8(8) }
-        } else {
+        if (!fast) {
             for (int64_t d = 0; d < D; d++) {
                 float r = 0.f;
                 for (int64_t j = 0; j < Lc; j++) r += pr[j] * kv_at(v, j * D + d, bf16);
@@ -818,12 +831,60 @@ static void scores16(const float *q, const void *keys, int64_t n, int64_t D, int
 }
 #endif
 
+/* scores16's transposing reduction on 8-lane vectors (AVX2), for n <= 8 keys: each slice of q
+ * is loaded once for all 8 (a missing key reads key 0, its score dropped), and the 8 sums
+ * advance side by side, where dot()'s one key at a time waited on its adds' latency. */
+#if VL == 8 && !defined(__clang__)
+#define SCORES8 1
+static inline __attribute__((always_inline)) void scores8(const float *q, const void *keys,
+                                                          int64_t n, int64_t D, int bf16,
+                                                          float scale, float *out) {
+    int64_t at[8];
+    for (int i = 0; i < 8; i++) at[i] = (i < n ? i : 0) * D;
+    vf part[8] = {{0}};
+    for (int64_t c = 0; c < D; c += 8) {
+        const vf qc = loadv(q + c);
+        for (int i = 0; i < 8; i++) part[i] += qc * load_kv(keys, at[i] + c, bf16);
+    }
+    typedef int32_t m8 __attribute__((vector_size(32)));
+    const m8 lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
+    const m8 lo2 = {0, 1, 4, 5, 8, 9, 12, 13}, hi2 = {2, 3, 6, 7, 10, 11, 14, 15};
+    const m8 lo3 = {0, 2, 4, 6, 8, 10, 12, 14}, hi3 = {1, 3, 5, 7, 9, 11, 13, 15};
+    vf r1[4], r2[2];
+    for (int i = 0; i < 4; i++)     /* lanes 0-3: key 2i's 4 partial sums, 4-7: key 2i+1's */
+        r1[i] = __builtin_shuffle(part[2 * i], part[2 * i + 1], lo1)
+                + __builtin_shuffle(part[2 * i], part[2 * i + 1], hi1);
+    for (int i = 0; i < 2; i++)     /* keys 4i..4i+3, 2 partial sums each */
+        r2[i] = __builtin_shuffle(r1[2 * i], r1[2 * i + 1], lo2)
+                + __builtin_shuffle(r1[2 * i], r1[2 * i + 1], hi2);
+    const vf all = (__builtin_shuffle(r2[0], r2[1], lo3) + __builtin_shuffle(r2[0], r2[1], hi3))
+                   * scale;                                         /* key i in lane i */
+    float buf[8];
+    storev(buf, all);
+    memcpy(out, buf, n * sizeof(float));
+}
+#else
+#define SCORES8 0
+#endif
+
 /* out[i] = scale * q . k[i] for n <= 16 keys k[i] at element i * D of keys */
 static void scores(const float *q, const void *keys, int64_t n, int64_t D, int bf16,
                    float scale, float *out) {
 #if SCORES16
     if (D % 16 == 0 && D <= 256) {
         scores16(q, keys, n, D, bf16, scale, out);
+        return;
+    }
+#endif
+#if SCORES8
+    if (D % 8 == 0) {       /* the branch on bf16 outside the loop: its products fuse */
+        for (int64_t i = 0; i < n; i += 8) {
+            const int64_t m = n - i < 8 ? n - i : 8;
+            if (bf16)
+                scores8(q, (const uint16_t *)keys + i * D, m, D, 1, scale, out + i);
+            else
+                scores8(q, (const float *)keys + i * D, m, D, 0, scale, out + i);
+        }
         return;
     }
 #endif
