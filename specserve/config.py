@@ -37,7 +37,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 QUANTIZATIONS = ("int8",)
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def check_quantization(value: str | None, key: str = "quantization") -> None:
@@ -64,10 +64,10 @@ class ModelConfig:
                 "and multiply them in the CPU kernel, widened in registers: a quarter of "
                 "float32's bytes per step, half of bfloat16's"})
     kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "auto: the target's KV cache in the dtype it computes in (float32 on the CPU "
-                "kernel, bfloat16 weights included); bfloat16: held in bfloat16 (half the "
-                "memory and attention reads; keys and values rounded once, as they are "
-                "written)"})
+        "help": "the target's KV cache: auto, in the model's dtype (bfloat16 for dtype="
+                "bfloat16, also where the CPU kernel computes it in float32: half the memory "
+                "and attention reads of float32, keys and values rounded once as they are "
+                "written); float32 or bfloat16 whatever the model's dtype"})
     enforce_eager: bool = field(default=False, metadata={
         "help": "CUDA: run every step eagerly instead of replaying CUDA graphs captured for "
                 "decode, verify and draft-chain steps (vLLM's flag)"})

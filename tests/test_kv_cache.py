@@ -66,5 +66,19 @@ def test_a_bfloat16_kv_cache_takes_half_the_memory_and_speculation_stays_lossles
 def test_kv_cache_dtypes_it_cannot_hold_are_refused(llama_dir):
     from specserve import LLM
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8' is not supported; use one of "
-                                         "auto, bfloat16"):
+                                         "auto, float32, bfloat16"):
         LLM(str(llama_dir), device="cpu", kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False])
+def test_auto_keeps_the_kv_cache_in_the_models_dtype(cpu_kernel, llama_dir):
+    """"auto" is the dtype the model was loaded in (vLLM's rule), also where the CPU kernel
+    computes a bfloat16 model in float32; an explicit dtype overrides it either way."""
+    from specserve import LLM
+    for dtype, kv, held in (("bfloat16", "auto", torch.bfloat16),
+                            ("float32", "auto", torch.float32),
+                            ("bfloat16", "float32", torch.float32),
+                            ("float32", "bfloat16", torch.bfloat16)):
+        llm = LLM(str(llama_dir), device="cpu", dtype=dtype, kv_cache_dtype=kv,
+                  cpu_kernel=cpu_kernel)
+        assert llm.engine.cache.layers[0][0].dtype == held, (dtype, kv)

@@ -78,7 +78,7 @@ class LLMEngine:
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = _eos_ids(mc.model, hf, self.tokenizer)
         self.cache = make_kv_cache(self.model, sc.max_num_seqs, self.max_model_len,
-                                   self.backend.cuda_graphs, mc.kv_cache_dtype)
+                                   self.backend.cuda_graphs, mc.kv_cache_dtype, self.dtype)
         self.runner = ModelRunner(self.model, self.cache, self.device,
                                   self.backend.graphs(self.model, self.cache, sc.max_num_seqs),
                                   self.tp)

@@ -158,7 +158,8 @@ def _serve(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[]
     link = _link(a, rank, store, check_peers, parent=parent)
     model = _shard(a, rank, link, model, a.quantization)
     models = {TARGET: (model, make_kv_cache(model, a.num_slots, a.max_len,
-                                            kv_cache_dtype=a.kv_cache_dtype))}
+                                            kv_cache_dtype=a.kv_cache_dtype,
+                                            loaded_dtype=resolve_dtype(a.dtype)))}
     heads: dict[str, tuple[nn.ModuleList, KVCache]] = {}   # sharded layers of drafter heads
     link.group.allreduce([torch.zeros(1)]).wait()                # ready
     with torch.inference_mode():

@@ -84,11 +84,15 @@ def release_freed_memory() -> None:
 
 
 def make_kv_cache(model: nn.Module, num_slots: int, max_len: int,
-                  scratch_slot: bool = False, kv_cache_dtype: str = "auto") -> KVCache:
+                  scratch_slot: bool = False, kv_cache_dtype: str = "auto",
+                  loaded_dtype: torch.dtype | None = None) -> KVCache:
     """A KV cache for `model`'s layers (its own share of the KV heads when it is one rank's
-    tensor-parallel shard), in the dtype the model computes in or `kv_cache_dtype`."""
+    tensor-parallel shard) in `kv_cache_dtype`; "auto": the dtype the model was loaded in
+    (`loaded_dtype`; the CPU kernel computes a bfloat16 model in float32 but keeps its cache
+    in bfloat16, as vLLM's "auto" and llama.cpp's F16 cache do), else the one it computes in."""
     a = model.args
     p = model_tensor(model)
-    dtype = p.dtype if kv_cache_dtype == "auto" else resolve_dtype(kv_cache_dtype)
+    dtype = (resolve_dtype(kv_cache_dtype) if kv_cache_dtype != "auto"
+             else loaded_dtype or p.dtype)
     return KVCache(a.num_hidden_layers, num_slots, a.num_key_value_heads // model.tp_size,
                    max_len, a.head_dim, dtype, p.device, scratch_slot)
