@@ -783,107 +783,69 @@ static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group
     }
 }
 
-/* scores() for D a multiple of 16 on 16-lane vectors: each key's products are summed lane-wise
- * over D, then the 16 keys' lanes are reduced all at once by a transposing tree of shuffles;
- * every key goes through the same tree whatever its place in the block, so a score depends on
- * q and its key only. */
-#if VL == 16 && !defined(__clang__)     /* needs GCC's __builtin_shuffle */
-#define SCORES16 1
+/* The scores of a block of n <= VL keys (D a multiple of VL): each slice of q is loaded once
+ * for all of them (a missing key reads key 0, its score dropped), and their sums advance side by
+ * side (one key at a time waited on its adds' latency); then a transposing tree of shuffles adds
+ * up every key's lanes at once. Every key goes through the same tree whatever its place in the
+ * block, so a score depends on q and its key only. */
+#if (VL == 8 || VL == 16) && !defined(__clang__)        /* needs GCC's __builtin_shuffle */
+#define SCORES_TREE 1
+typedef int32_t vmask __attribute__((vector_size(VL * 4)));
+/* Level s pairs vectors 2i and 2i + 1 into i: from each, the lanes of chunks of c = VL >> (s +
+ * 1) at even (LO) or odd (HI) places, so a lane of the sum holds two partial sums of one key. */
+#if VL == 16
+static const vmask TREE_LO[4] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+    {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+    {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+    {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+static const vmask TREE_HI[4] = {
+    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+    {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+    {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+    {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
 #else
-#define SCORES16 0
+static const vmask TREE_LO[3] = {
+    {0, 1, 2, 3, 8, 9, 10, 11}, {0, 1, 4, 5, 8, 9, 12, 13}, {0, 2, 4, 6, 8, 10, 12, 14}};
+static const vmask TREE_HI[3] = {
+    {4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 6, 7, 10, 11, 14, 15}, {1, 3, 5, 7, 9, 11, 13, 15}};
 #endif
-#if SCORES16
-static void scores16(const float *q, const void *keys, int64_t n, int64_t D, int bf16,
-                     float scale, float *out) {
-    typedef float v16 __attribute__((vector_size(64)));
-    v16 part[16];
-    for (int64_t i = 0; i < 16; i++) {
-        v16 acc = {0};
-        if (i < n)
-            for (int64_t c = 0; c < D; c += 16)
-                acc += loadv(q + c) * load_kv(keys, i * D + c, bf16);
-        part[i] = acc;
+static inline __attribute__((always_inline)) void scores_block(const float *q, const void *keys,
+                                                               int64_t n, int64_t D, int bf16,
+                                                               float scale, float *out) {
+    int64_t at[VL];
+    vf r[VL];
+    for (int i = 0; i < VL; i++) {
+        at[i] = (i < n ? i : 0) * D;
+        r[i] = (vf){0};
     }
-    typedef int32_t m16 __attribute__((vector_size(64)));
-    const m16 lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const m16 hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const m16 lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const m16 hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const m16 lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const m16 hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const m16 lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const m16 hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    v16 r1[8], r2[4], r3[2];
-    for (int i = 0; i < 8; i++)     /* lanes 0-7: key 2i's 8 partial sums, 8-15: key 2i+1's */
-        r1[i] = __builtin_shuffle(part[2 * i], part[2 * i + 1], lo1)
-                + __builtin_shuffle(part[2 * i], part[2 * i + 1], hi1);
-    for (int i = 0; i < 4; i++)     /* keys 4i..4i+3, 4 partial sums each */
-        r2[i] = __builtin_shuffle(r1[2 * i], r1[2 * i + 1], lo2)
-                + __builtin_shuffle(r1[2 * i], r1[2 * i + 1], hi2);
-    for (int i = 0; i < 2; i++)     /* keys 8i..8i+7, 2 partial sums each */
-        r3[i] = __builtin_shuffle(r2[2 * i], r2[2 * i + 1], lo3)
-                + __builtin_shuffle(r2[2 * i], r2[2 * i + 1], hi3);
-    v16 all = (__builtin_shuffle(r3[0], r3[1], lo4) + __builtin_shuffle(r3[0], r3[1], hi4))
-              * scale;                                              /* key i in lane i */
-    float buf[16];
-    storev(buf, all);
-    memcpy(out, buf, n * sizeof(float));
-}
-#endif
-
-/* scores16's transposing reduction on 8-lane vectors (AVX2), for n <= 8 keys: each slice of q
- * is loaded once for all 8 (a missing key reads key 0, its score dropped), and the 8 sums
- * advance side by side, where dot()'s one key at a time waited on its adds' latency. */
-#if VL == 8 && !defined(__clang__)
-#define SCORES8 1
-static inline __attribute__((always_inline)) void scores8(const float *q, const void *keys,
-                                                          int64_t n, int64_t D, int bf16,
-                                                          float scale, float *out) {
-    int64_t at[8];
-    for (int i = 0; i < 8; i++) at[i] = (i < n ? i : 0) * D;
-    vf part[8] = {{0}};
-    for (int64_t c = 0; c < D; c += 8) {
+    for (int64_t c = 0; c < D; c += VL) {
         const vf qc = loadv(q + c);
-        for (int i = 0; i < 8; i++) part[i] += qc * load_kv(keys, at[i] + c, bf16);
+        for (int i = 0; i < VL; i++) r[i] += qc * load_kv(keys, at[i] + c, bf16);
     }
-    typedef int32_t m8 __attribute__((vector_size(32)));
-    const m8 lo1 = {0, 1, 2, 3, 8, 9, 10, 11}, hi1 = {4, 5, 6, 7, 12, 13, 14, 15};
-    const m8 lo2 = {0, 1, 4, 5, 8, 9, 12, 13}, hi2 = {2, 3, 6, 7, 10, 11, 14, 15};
-    const m8 lo3 = {0, 2, 4, 6, 8, 10, 12, 14}, hi3 = {1, 3, 5, 7, 9, 11, 13, 15};
-    vf r1[4], r2[2];
-    for (int i = 0; i < 4; i++)     /* lanes 0-3: key 2i's 4 partial sums, 4-7: key 2i+1's */
-        r1[i] = __builtin_shuffle(part[2 * i], part[2 * i + 1], lo1)
-                + __builtin_shuffle(part[2 * i], part[2 * i + 1], hi1);
-    for (int i = 0; i < 2; i++)     /* keys 4i..4i+3, 2 partial sums each */
-        r2[i] = __builtin_shuffle(r1[2 * i], r1[2 * i + 1], lo2)
-                + __builtin_shuffle(r1[2 * i], r1[2 * i + 1], hi2);
-    const vf all = (__builtin_shuffle(r2[0], r2[1], lo3) + __builtin_shuffle(r2[0], r2[1], hi3))
-                   * scale;                                         /* key i in lane i */
-    float buf[8];
-    storev(buf, all);
+    for (int s = 0, m = VL / 2; m >= 1; s++, m /= 2)
+        for (int i = 0; i < m; i++)
+            r[i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], TREE_LO[s])
+                   + __builtin_shuffle(r[2 * i], r[2 * i + 1], TREE_HI[s]);
+    float buf[VL];
+    storev(buf, r[0] * scale);                                          /* key i in lane i */
     memcpy(out, buf, n * sizeof(float));
 }
 #else
-#define SCORES8 0
+#define SCORES_TREE 0
 #endif
 
 /* out[i] = scale * q . k[i] for n <= 16 keys k[i] at element i * D of keys */
 static void scores(const float *q, const void *keys, int64_t n, int64_t D, int bf16,
                    float scale, float *out) {
-#if SCORES16
-    if (D % 16 == 0 && D <= 256) {
-        scores16(q, keys, n, D, bf16, scale, out);
-        return;
-    }
-#endif
-#if SCORES8
-    if (D % 8 == 0) {       /* the branch on bf16 outside the loop: its products fuse */
-        for (int64_t i = 0; i < n; i += 8) {
-            const int64_t m = n - i < 8 ? n - i : 8;
+#if SCORES_TREE
+    if (D % VL == 0) {      /* the branch on bf16 outside the loop: its products fuse */
+        for (int64_t i = 0; i < n; i += VL) {
+            const int64_t m = n - i < VL ? n - i : VL;
             if (bf16)
-                scores8(q, (const uint16_t *)keys + i * D, m, D, 1, scale, out + i);
+                scores_block(q, (const uint16_t *)keys + i * D, m, D, 1, scale, out + i);
             else
-                scores8(q, (const float *)keys + i * D, m, D, 0, scale, out + i);
+                scores_block(q, (const float *)keys + i * D, m, D, 0, scale, out + i);
         }
         return;
     }
