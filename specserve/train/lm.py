@@ -23,7 +23,8 @@ from specserve.models.llama import LlamaArgs, LlamaForCausalLM
 from specserve.models.loader import load_model, save_model
 from specserve.train.bpe import EOS, save_tokenizer, train_bpe
 from specserve.train.generated import GeneratedData, with_generated
-from specserve.train.trainer import LossFn, TrainConfig, evaluate_bpb, lm_loss, train
+from specserve.train.trainer import (LossFn, TrainConfig, bf16_autocast, evaluate_bpb, lm_loss,
+                                     train)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -105,7 +106,8 @@ def train_and_export(model, train_ids: np.ndarray, val: tuple[np.ndarray, int], 
     is done; returns the validation bits per byte (NaN when stopped on the time limit)."""
     val_ids, val_bytes = val
     log = train(model, train_ids, cfg, device, loss_fn, lambda: {
-        "val_bpb": evaluate_bpb(model, val_ids, val_bytes, cfg.seq_len, device, cfg.bf16)})
+        "val_bpb": evaluate_bpb(model, val_ids, val_bytes, cfg.seq_len, device,
+                                bf16_autocast(cfg, device))})
     if not log or log[-1]["step"] < cfg.steps:
         return float("nan")           # resume to finish
     if log[-1]["step"] > cfg.steps:   # a later stage of a staged build already resumed past this one

@@ -6,6 +6,7 @@ import json
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
@@ -109,3 +110,29 @@ def test_draft_training_starts_from_init(small_corpus, tiny_lm, tmp_path):
     run("w1", "first", 3e-3)
     run("w2", "again", 0.0, init=tmp_path / "first")
     _assert_same_weights(tmp_path / "first", tmp_path / "again")
+
+
+@pytest.mark.parametrize(("bf16", "flags", "autocast"), [
+    (None, {"avx2", "fma"}, False),             # an AVX2 CPU only converts: no autocast
+    (None, {"avx512f", "avx512_bf16"}, True),
+    (None, {"avx512f", "amx_bf16"}, True),
+    (True, {"avx2"}, True),                     # an explicit setting wins
+    (False, {"amx_bf16"}, False)])
+def test_bf16_autocast_defaults_to_cpus_that_multiply_bfloat16(bf16, flags, autocast,
+                                                              monkeypatch, tmp_path):
+    """Left unset, training autocasts to bfloat16 only where the CPU has bfloat16 products;
+    the loss runs under what was chosen and train_config.json records it."""
+    from specserve.train import trainer
+    monkeypatch.setattr(trainer, "cpu_flags", lambda: flags)
+    seen = []
+    w = torch.nn.Linear(4, 1)
+
+    def loss_fn(batch):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return w(batch[:, :4].float()).pow(2).mean(), {"loss": 0.0}
+
+    cfg = TrainConfig(work_dir=str(tmp_path), steps=1, batch_size=2, seq_len=8, warmup=1,
+                      bf16=bf16, device="cpu")
+    trainer.train(w, np.arange(64), cfg, torch.device("cpu"), loss_fn)
+    assert seen == [autocast]
+    assert json.loads((tmp_path / "train_config.json").read_text())["bf16"] is autocast
