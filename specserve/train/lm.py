@@ -23,8 +23,14 @@ from specserve.models.llama import LlamaArgs, LlamaForCausalLM
 from specserve.models.loader import load_model, save_model
 from specserve.train.bpe import EOS, save_tokenizer, train_bpe
 from specserve.train.generated import GeneratedData, with_generated
-from specserve.train.trainer import (LossFn, TrainConfig, bf16_autocast, evaluate_bpb, lm_loss,
-                                     train)
+from specserve.train.trainer import (
+    LossFn,
+    TrainConfig,
+    bf16_autocast,
+    evaluate_bpb,
+    lm_loss,
+    train,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
