@@ -111,9 +111,9 @@ def train_and_export(model, train_ids: np.ndarray, val: tuple[np.ndarray, int], 
     """Train, validate in bits per byte, and export the HF directory to `out` once the schedule
     is done; returns the validation bits per byte (NaN when stopped on the time limit)."""
     val_ids, val_bytes = val
+    bf16 = bf16_autocast(cfg, device)
     log = train(model, train_ids, cfg, device, loss_fn, lambda: {
-        "val_bpb": evaluate_bpb(model, val_ids, val_bytes, cfg.seq_len, device,
-                                bf16_autocast(cfg, device))})
+        "val_bpb": evaluate_bpb(model, val_ids, val_bytes, cfg.seq_len, device, bf16)})
     if not log or log[-1]["step"] < cfg.steps:
         return float("nan")           # resume to finish
     if log[-1]["step"] > cfg.steps:   # a later stage of a staged build already resumed past this one

@@ -37,8 +37,8 @@ class TrainConfig:
     grad_clip: float = field(default=1.0, metadata={"help": "max gradient norm"})
     bf16: bool | None = field(default=None, metadata={
         "help": "bfloat16 autocast; default: where the device multiplies bfloat16 natively (a "
-                "GPU that supports it, a CPU with AVX512-BF16 or AMX), as elsewhere it only "
-                "converts (an AVX2 CPU ran a PARD step 8x slower under it)"})
+                "GPU that supports it, a CPU with AVX512-BF16 or AMX); elsewhere it only "
+                "converts, and a step runs several times slower"})
     seed: int = field(default=0, metadata={"help": "seed for init and batches"})
     eval_every: int = field(default=250, metadata={"help": "steps between validations"})
     ckpt_every: int = field(default=50, metadata={"help": "steps between checkpoints"})
