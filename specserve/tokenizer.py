@@ -15,18 +15,39 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
+        """The tokenizer of a Hugging Face model directory."""
         d = Path(model_dir)
         path = d / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing; a model directory needs tokenizer.json "
                                     "(pass prompts as TokensPrompt to run without one)")
         try:
-            self._tok = HFTokenizer.from_file(str(path))
+            tok = HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception on bad files
             raise ValueError(f"{path} could not be parsed: {e}") from e
         cfg_path = d / "tokenizer_config.json"
-        self.config: dict = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.chat_template: str | None = self.config.get("chat_template")
+        config: dict = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        # transformers 5 writes the template to its own file; 4.x into tokenizer_config.json
+        template_path = d / "chat_template.jinja"
+        if template_path.is_file():
+            config["chat_template"] = template_path.read_text()
+        self._setup(tok, config)
+
+    @classmethod
+    def from_parts(cls, tok: HFTokenizer, config: dict) -> Tokenizer:
+        """A tokenizer built elsewhere (from a GGUF's metadata) with its tokenizer_config."""
+        self = cls.__new__(cls)
+        self._setup(tok, config)
+        return self
+
+    def _setup(self, tok: HFTokenizer, config: dict) -> None:
+        self._tok = tok
+        self.config = config
+        template = config.get("chat_template")
+        if isinstance(template, list):      # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        self.chat_template: str | None = template
         self.eos_token: str | None = _token_str(self.config.get("eos_token"))
         self.bos_token: str | None = _token_str(self.config.get("bos_token"))
         self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
@@ -49,8 +70,9 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            raise ValueError("this model's tokenizer_config.json has no chat_template; use "
-                             "/v1/completions or add a chat_template")
+            raise ValueError("this model has no chat template (neither chat_template.jinja nor "
+                             "tokenizer_config.json's chat_template, nor GGUF metadata "
+                             "tokenizer.chat_template); use completions, or add one")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             undefined=jinja2.StrictUndefined)
         env.globals["raise_exception"] = _raise

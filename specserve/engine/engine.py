@@ -23,8 +23,9 @@ from specserve.engine.tensor_parallel import TensorParallel
 from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
 from specserve.metrics import SpecDecodingStats
 from specserve.models.backend import Backend, make_kv_cache
+from specserve.models.catalogue import resolve_model
 from specserve.models.llama import LlamaArgs
-from specserve.models.loader import load_hf_config, load_model, read_json
+from specserve.models.loader import load_hf_config, load_model, load_tokenizer, read_json
 from specserve.models.tensor_parallel import check_divisible
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
@@ -37,7 +38,7 @@ logger = logging.getLogger("specserve")
 
 
 def _eos_ids(model_dir: str, cfg: dict, tokenizer: Tokenizer | None) -> frozenset[int]:
-    """EOS ids from generation_config.json, config.json and the tokenizer."""
+    """EOS ids from generation_config.json, config.json (a GGUF's metadata) and the tokenizer."""
     ids: set[int] = set()
     gen_path = Path(model_dir) / "generation_config.json"
     gen = read_json(gen_path) if gen_path.is_file() else {}
@@ -54,6 +55,8 @@ def _eos_ids(model_dir: str, cfg: dict, tokenizer: Tokenizer | None) -> frozense
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         mc = config.model_config
+        mc = dataclasses.replace(mc, model=resolve_model(mc.model))
+        config = dataclasses.replace(config, model_config=mc)
         self.config = config
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype)
@@ -63,7 +66,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={mc.max_model_len} is larger than the model's "
                              f"context ({model_len}, max_position_embeddings in config.json)")
         self.max_model_len = mc.max_model_len or model_len
-        self.tokenizer = Tokenizer(mc.model) if (Path(mc.model) / "tokenizer.json").is_file() else None
+        self.tokenizer = load_tokenizer(mc.model)
         self.backend = Backend(self.device, self.dtype, mc.cpu_kernel,
                                cuda_graphs=self.device.type == "cuda" and not mc.enforce_eager,
                                quantization=mc.quantization)

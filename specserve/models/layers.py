@@ -76,14 +76,22 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2]; supports the default and llama3 rope types."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None
+                  ) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] and the factor cos and sin are scaled by, as
+    transformers computes them for rope types default, linear, dynamic (equal to default within
+    the model's context, which is all the engine runs), llama3 and yarn."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind in ("default", "dynamic"):
+        return inv_freq, 1.0
     factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    if kind == "linear":
+        return inv_freq / factor, 1.0
     old_len = scaling["original_max_position_embeddings"]
+    if kind == "yarn":
+        return _yarn(inv_freq, head_dim, theta, factor, old_len, scaling)
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     low_wavelen, high_wavelen = old_len / low, old_len / high
     wavelen = 2 * math.pi / inv_freq
     # Long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
@@ -91,7 +99,32 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
+    return torch.where(medium, smoothed, scaled), 1.0
+
+
+def _yarn(inv_freq: torch.Tensor, dim: int, theta: float, factor: float, old_len: int,
+          p: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al. 2023): dimensions that turn fewer than beta_slow times over the
+    original context are interpolated, those turning more than beta_fast times kept, a linear
+    ramp between; cos and sin scaled by 0.1 ln(factor) + 1 (or the given attention_factor)."""
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention = p.get("attention_factor")
+    if attention is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    keep = 1 - ramp                                 # 1: extrapolate (the original frequency)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention)
 
 
 class Rotary(nn.Module):
@@ -99,14 +132,14 @@ class Rotary(nn.Module):
 
     def __init__(self, head_dim: int, max_len: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq, attention_factor = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_len, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)                        # [max_len, head_dim // 2]
         # rotate_half(x) * sin == roll(x, head_dim // 2) * signed_sin: the sign of the first
         # half is folded into the table, so applying rotary is three kernels, not six. cos and
         # signed sin sit side by side so that one index fetches both.
-        cos = torch.cat([freqs, freqs], -1).cos()
-        signed_sin = torch.cat([-freqs, freqs], -1).sin()
+        cos = torch.cat([freqs, freqs], -1).cos() * attention_factor
+        signed_sin = torch.cat([-freqs, freqs], -1).sin() * attention_factor
         self.register_buffer("cos_sin", torch.stack([cos, signed_sin], 1),
                              persistent=False)               # [max_len, 2, head_dim]
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -32,7 +33,8 @@ class LlamaArgs:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None       # llama3 parameters, None for default rope
+    rope_scaling: dict | None       # rope_type (linear, dynamic, llama3, yarn) and its
+                                    # parameters; None for default rope
     tie_word_embeddings: bool
     attention_bias: bool
     qk_norm: bool
@@ -58,9 +60,21 @@ class LlamaArgs:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        if rope_type not in ("default", "llama3"):
+        if rope_type not in ROPE_TYPES:
             raise ValueError(f"{source}: rope type {rope_type!r} is not supported "
-                             "(supported: default, llama3)")
+                             f"(supported: {', '.join(ROPE_TYPES)})")
+        if rope.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{source}: partial_rotary_factor "
+                             f"{rope['partial_rotary_factor']} is not supported (only 1.0)")
+        if rope_type != "default":
+            rope = rope | {"rope_type": rope_type}
+            rope.setdefault("original_max_position_embeddings",
+                            cfg.get("max_position_embeddings", 2048))
+            if rope_type in ("linear", "dynamic", "llama3") and "factor" not in rope:
+                raise ValueError(f"{source}: rope type {rope_type!r} needs 'factor'")
+            if rope_type == "yarn" and rope.get("factor") is None:
+                rope["factor"] = (cfg.get("max_position_embeddings", 2048)
+                                  / rope["original_max_position_embeddings"])
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         qwen3 = arch == "Qwen3ForCausalLM"
@@ -80,7 +94,7 @@ class LlamaArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            rope_scaling=rope if rope_type == "llama3" else None,
+            rope_scaling=rope if rope_type != "default" else None,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", default_bias)),
             qk_norm=qwen3,

@@ -1,4 +1,5 @@
-"""Load and save Hugging Face-format model directories (config.json + safetensors).
+"""Load and save models: Hugging Face-format directories (config.json + safetensors) and GGUF
+files (`models/gguf.py`).
 
 Pickle checkpoints (`*.bin`, `*.pt`) are refused: unpickling runs arbitrary code.
 """
@@ -13,8 +14,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from specserve.models.gguf import gguf_path, open_gguf
 from specserve.models.llama import LlamaArgs
 from specserve.models.registry import model_class
+from specserve.tokenizer import Tokenizer
 
 _QKV = re.compile(r"^(model\.)?layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
 _GATE_UP = re.compile(r"^(model\.)?layers\.(\d+)\.mlp\.(gate|up)_proj\.weight$")
@@ -30,11 +33,32 @@ def read_json(path: Path) -> dict:
 
 
 def load_hf_config(model_dir: str | Path) -> dict:
+    """config.json of a model directory, or its equivalent from a GGUF's metadata."""
+    if g := gguf_path(model_dir):
+        return open_gguf(g).hf_config
     d = Path(model_dir)
     if not d.is_dir():
-        raise FileNotFoundError(f"model directory {d} does not exist (give a local Hugging Face "
-                                "model directory; nothing is downloaded)")
+        raise FileNotFoundError(f"model {d} does not exist (give a Hugging Face model directory, "
+                                "a .gguf file, a Hub id or a catalogue name: specserve pull "
+                                "--list)")
     return read_json(d / "config.json")
+
+
+def load_tokenizer(model: str | Path) -> Tokenizer | None:
+    """The model's tokenizer (tokenizer.json, or a GGUF's metadata); None where it has none."""
+    if g := gguf_path(model):
+        return Tokenizer.from_parts(*open_gguf(g).tokenizer())
+    return Tokenizer(model) if (Path(model) / "tokenizer.json").is_file() else None
+
+
+def _is_mtp_tensor(name: str, num_layers: int) -> bool:
+    """Tensors of multi-token-prediction layers that checkpoints keep beside the target's
+    (DeepSeek-V3: layers past the last; MiMo: mtp_layers; Qwen3-Next: mtp.*): the mtp method
+    reads them, the target does not."""
+    if name.startswith(("mtp.", "mtp_layers.")):
+        return True
+    m = re.match(r"^layers\.(\d+)\.", name)
+    return m is not None and int(m[1]) >= num_layers
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -123,16 +147,20 @@ def split_to_hf_names(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
                max_len: int | None = None) -> torch.nn.Module:
-    """Build the model of a local HF directory and load its safetensors weights."""
-    d = Path(model_dir)
-    args = LlamaArgs.from_hf_config(load_hf_config(d), source=str(d / "config.json"))
+    """Build the model of a local HF directory (safetensors) or GGUF file and load its weights.
+    A GGUF's tensors are dequantized one by one straight into `dtype`."""
+    g = open_gguf(p) if (p := gguf_path(model_dir)) else None
+    d = g.path if g else Path(model_dir)
+    source = str(d) if g else str(d / "config.json")
+    args = LlamaArgs.from_hf_config(g.hf_config if g else load_hf_config(d), source=source)
     if args.sliding_window is not None and (max_len or args.max_position_embeddings) > args.sliding_window:
         raise ValueError(
             f"{d}: sliding-window attention (window {args.sliding_window}) is not supported; "
             f"pass max_model_len <= {args.sliding_window} so that the window never applies")
     with torch.device("meta"):
         model = model_class(args.architecture)(args, max_len=max_len)
-    state = fuse_hf_names(read_state_dict(d), args.num_hidden_layers)
+    state = fuse_hf_names(dict(g.tensors(dtype)) if g else read_state_dict(d),
+                          args.num_hidden_layers)
     expected = model.state_dict()
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -141,6 +169,13 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
     if missing:
         raise ValueError(f"{d}: weights missing from the checkpoint: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+    unexpected = sorted(k for k in set(state) - set(expected)
+                        if not _is_mtp_tensor(k, args.num_hidden_layers)
+                        and not k.endswith("rotary_emb.inv_freq"))     # recomputed, not read
+    if unexpected:
+        raise ValueError(f"{d}: tensors this {args.architecture} does not have: "
+                         f"{', '.join(unexpected[:8])}" + (" ..." if len(unexpected) > 8 else "")
+                         + "; the checkpoint is of another architecture or variant")
     for name, t in expected.items():
         if tuple(state[name].shape) != tuple(t.shape):
             raise ValueError(f"{d}: tensor {name} has shape {tuple(state[name].shape)}, "
