@@ -20,6 +20,12 @@ def assign_weights(module: nn.Module, state: dict[str, torch.Tensor], source: st
     missing = sorted(set(own) - set(state))
     if missing:
         raise ValueError(f"{source}: weights missing from the checkpoint: {', '.join(missing[:8])}")
+    unexpected = sorted(set(state) - set(own))
+    if unexpected:
+        raise ValueError(f"{source}: tensors this format does not have, which specserve would "
+                         f"otherwise ignore: {', '.join(unexpected[:8])}"
+                         + (" ..." if len(unexpected) > 8 else "")
+                         + "; the checkpoint is a variant specserve does not read")
     for name, t in own.items():
         if tuple(state[name].shape) != tuple(t.shape):
             raise ValueError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "

@@ -95,8 +95,8 @@ def test_unknown_architecture(model_copy):
 
 
 def test_unsupported_rope_type(model_copy):
-    _edit_config(model_copy, rope_parameters={"rope_type": "yarn", "factor": 2.0})
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+    _edit_config(model_copy, rope_parameters={"rope_type": "longrope", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
         load_model(model_copy, torch.float32, CPU)
 
 
