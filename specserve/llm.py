@@ -11,6 +11,7 @@ from specserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from specserve.engine.engine import LLMEngine
 from specserve.inputs import PromptType
 from specserve.methods import resolve_speculative_config
+from specserve.models.catalogue import resolve_model
 from specserve.metrics import Metric
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
@@ -27,6 +28,7 @@ def build_engine_config(model: str, speculative_config: dict | None = None,
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise TypeError(f"unknown engine argument(s) {unknown}; valid: {sorted(known)}")
+    model = resolve_model(model)        # a catalogue name (pulled), a Hub id: a local path
     mc = ModelConfig(model=model, **{k: v for k, v in kwargs.items() if k in _fields(ModelConfig)})
     sc = SchedulerConfig(**{k: v for k, v in kwargs.items() if k in _fields(SchedulerConfig)})
     spec = (resolve_speculative_config(speculative_config, model)

@@ -35,6 +35,7 @@ from specserve.methods.base import (
 )
 from specserve.methods.hybrid import HybridProposer
 from specserve.models.backend import Backend
+from specserve.models.catalogue import hub_name, is_reference, resolve_model
 
 __all__ = ["REGISTRY", "DraftContext", "MethodSpec", "Proposal", "ProposeBatch", "Proposer",
            "RunnerOutput", "build_proposer", "detect_method", "get", "head_methods", "load_head",
@@ -81,7 +82,7 @@ def detect_method(model: str | None, target: str | None = None) -> str:
         return ngram.SPEC.name
     if custom_class.is_dotted_path(model) and not Path(model).exists():
         return custom_class.SPEC.name
-    hints = [Path(model).name.lower()]
+    hints = [hub_name(model).lower()]       # a Hub cache's repository name, not its hash
     cfg_path = Path(model) / "config.json"
     if cfg_path.is_file():
         try:
@@ -101,6 +102,8 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
     """Settle and check what depends on the method (in place; calling it again is a no-op):
     the method detected when omitted, its required model, K from its checkpoint when omitted,
     keys that belong to other methods. `target`: the target's directory (MTP's checkpoint)."""
+    if config.model and is_reference(config.model):
+        config.model = resolve_model(config.model)      # a catalogue name, a Hub id
     if config.method is None:
         config.method = detect_method(config.model, target)
     if config.method == ngram.SPEC.name and config.model == "ngram":
@@ -113,8 +116,10 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
     if spec.configure is not None:            # its own keys (and defaults, K among them)
         spec.configure(config)
     checkpoint = config.model or (target if spec.model_is_target else None)
+    # a recurrent drafter's checkpoint K is only a default: read when K is not given
     n_predict = (spec.default_k(checkpoint)
-                 if spec.default_k is not None and checkpoint is not None else None)
+                 if spec.default_k is not None and checkpoint is not None
+                 and (config.num_speculative_tokens is None or not spec.recurrent) else None)
     if config.num_speculative_tokens is None:
         config.num_speculative_tokens = n_predict
         if config.num_speculative_tokens is None:
@@ -124,7 +129,7 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
     k = config.num_speculative_tokens
     # vLLM's rule for a chain (a tree's depth is checked by its proposer): the layers run in turn
     if (n_predict and k > n_predict and config.speculative_token_tree is None
-            and spec.reads_hidden_states):
+            and spec.reads_hidden_states and not spec.recurrent):
         if not spec.repeats_layers:
             raise ValueError(f"num_speculative_tokens={k} is more than the {n_predict} tokens "
                              f"this {spec.name} checkpoint predicts, and its stages cannot run "

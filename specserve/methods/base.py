@@ -186,6 +186,8 @@ class MethodSpec:
     default_k: Callable[[str], int | None] | None = None
     # a larger K (a multiple of that) runs the checkpoint's heads or layers in turn
     repeats_layers: bool = False
+    # drafts from its own output, so any K runs: default_k is only a default, not a limit
+    recurrent: bool = False
     # fills in and checks this method's keys (in place)
     configure: Callable[[SpeculativeConfig], None] | None = None
     # Heads (methods with a trainable module on the target): a fresh head for training

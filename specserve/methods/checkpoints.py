@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specserve.models.llama import LlamaArgs
+from specserve.models.loader import load_hf_config
 
 
 def assign_weights(module: nn.Module, state: dict[str, torch.Tensor], source: str,
@@ -31,6 +32,16 @@ def assign_weights(module: nn.Module, state: dict[str, torch.Tensor], source: st
             raise ValueError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
                              f"expected {tuple(t.shape)}")
     module.load_state_dict({k: state[k] for k in own}, strict=False)
+
+
+def speculators_k(path: str) -> int | None:
+    """K a speculators checkpoint was trained for: its default proposal method's
+    speculative_tokens (the first method's when none is named); None where it names none."""
+    sc = load_hf_config(path).get("speculators_config") or {}
+    proposals = [p for p in sc.get("proposal_methods") or [] if isinstance(p, dict)]
+    chosen = [p for p in proposals if p.get("proposal_type") == sc.get("default_proposal_method")]
+    k = (chosen or proposals or [{}])[0].get("speculative_tokens")
+    return k if isinstance(k, int) and k > 0 else None
 
 
 def head_args(cfg: dict, target: LlamaArgs, source: str) -> LlamaArgs:

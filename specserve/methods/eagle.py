@@ -19,6 +19,7 @@ from specserve.methods.checkpoints import (
     head_args,
     layer_args,
     layer_tensors,
+    speculators_k,
     write_head,
 )
 from specserve.methods.head_proposer import HeadProposer
@@ -95,4 +96,5 @@ def build(config: SpeculativeConfig, ctx: DraftContext) -> HeadProposer:
 SPEC = MethodSpec(
     name="eagle", build=build, summary="EAGLE head on the target's last hidden state",
     detect=("eagle",), needs_model=True, reads_hidden_states=True, drafts_trees=True,
-    steps_drafts=True, shards=True, new_head=new_head, read=read, write=write, loss=loss)
+    steps_drafts=True, shards=True, default_k=speculators_k, recurrent=True, new_head=new_head,
+    read=read, write=write, loss=loss)

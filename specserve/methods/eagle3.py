@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,7 @@ from specserve.methods.checkpoints import (
     head_args,
     layer_args,
     layer_tensors,
+    speculators_k,
     write_head,
 )
 from specserve.methods.head_proposer import HeadProposer
@@ -38,16 +40,20 @@ from specserve.models.loader import fuse_hf_names, load_hf_config, read_state_di
 
 class Eagle3DecoderLayer(DecoderLayer):
     """Attention over [input_layernorm(embedding); hidden_norm(hidden)] (2H wide, no bias, no
-    q/k norm whatever the target has), residual on the hidden state, then the usual MLP."""
+    q/k norm whatever the target has), residual on the hidden state (on hidden_norm(hidden)
+    with speculators' `norm_before_residual`), then the usual MLP."""
 
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, norm_before_residual: bool = False) -> None:
         super().__init__(dataclasses.replace(a, attention_bias=False, qk_norm=False),
                          attn_in_dim=2 * a.hidden_size)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.norm_before_residual = norm_before_residual
 
     def forward(self, emb, hidden, cos_sin, md, cache, mask=None):
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        return self.step(hidden, cos_sin, md, cache, mask, attn_in=x)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)
+        residual = normed if self.norm_before_residual else hidden
+        return self.step(residual, cos_sin, md, cache, mask, attn_in=x)
 
 
 class Eagle3Head(StatefulHead):
@@ -58,12 +64,21 @@ class Eagle3Head(StatefulHead):
     mask rows stand on, and a mask token."""
 
     def __init__(self, args: LlamaArgs, num_aux: int, target_hidden: int, draft_vocab: int,
-                 target_vocab: int, embed: nn.Embedding, mask_token_id: int | None = None
-                 ) -> None:
+                 target_vocab: int, embed: nn.Embedding, mask_token_id: int | None = None,
+                 variant: Eagle3Variant | None = None) -> None:
         H = args.hidden_size
         super().__init__(args, embed, nn.Linear(H, draft_vocab, bias=False))
+        v = variant or Eagle3Variant()
+        self.variant = v
+        # norm_before_fc (gpt-oss heads): one norm over the concatenated target states;
+        # fc_norm (EAGLE 3.1): one per target layer
+        if v.norm_before_fc:
+            self.input_norm = RMSNorm(num_aux * target_hidden, args.rms_norm_eps)
+        if v.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(target_hidden, args.rms_norm_eps)
+                                         for _ in range(num_aux))
         self.fc = nn.Linear(num_aux * target_hidden, H, bias=False)
-        self.layers = nn.ModuleList([Eagle3DecoderLayer(args)])
+        self.layers = nn.ModuleList([Eagle3DecoderLayer(args, v.norm_before_residual)])
         self.norm = RMSNorm(H, args.rms_norm_eps)
         self.register_buffer("d2t", torch.zeros(draft_vocab, dtype=torch.long))
         self.target_vocab = target_vocab
@@ -73,6 +88,11 @@ class Eagle3Head(StatefulHead):
         self.depth_gamma: float | None = None      # training: P-EAGLE's copy weights (`loss`)
 
     def fuse_target(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        if self.variant.norm_before_fc:
+            aux_hidden = self.input_norm(aux_hidden)
+        if self.variant.fc_norm:
+            parts = aux_hidden.chunk(len(self.fc_norm), dim=-1)
+            aux_hidden = torch.cat([n(p) for n, p in zip(self.fc_norm, parts)], dim=-1)
         return self.fc(aux_hidden)
 
     def mask_state(self) -> torch.Tensor:
@@ -81,12 +101,18 @@ class Eagle3Head(StatefulHead):
 
     def forward(self, token_ids, h, positions, md, cache, mask=None):
         emb = self.embed_tokens(token_ids)
-        return self.layers[0](emb, h, self.rotary.tables(positions, emb.dtype), md, cache, mask)
+        out = self.layers[0](emb, h, self.rotary.tables(positions, emb.dtype), md, cache, mask)
+        # norm_output (EAGLE 3.1): the next step reads the normed state the logits come from
+        return self.norm(out) if self.variant.norm_output else out
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.variant.norm_output:                          # `out` is normed already
+            return self.lm_head(out)                                         # [T, draft_vocab]
         return self.lm_head(self.norm(out))                                  # [T, draft_vocab]
 
-    def chain_parts(self) -> ChainParts:
+    def chain_parts(self) -> ChainParts | None:
+        if self.variant.norm_output or self.variant.norm_before_residual:
+            return None             # the compiled chain computes the original layout only
         layer = self.layers[0]
         return ChainParts(layer, layer.input_layernorm, layer.hidden_norm, None, self.norm,
                           self.d2t)
@@ -104,6 +130,32 @@ class Eagle3Head(StatefulHead):
             return draft
         full = draft.new_full((draft.shape[0], self.target_vocab), float("-inf"))
         return full.index_copy(1, self.draft_to_target(), draft)
+
+
+@dataclass(frozen=True)
+class Eagle3Variant:
+    """The norms EAGLE-3 checkpoints add to the original layout, by their config flags."""
+
+    norm_before_fc: bool = False        # input_norm.weight over the concatenated target states
+    fc_norm: bool = False               # fc_norm.{i}.weight, one per target layer (EAGLE 3.1)
+    norm_output: bool = False           # the state fed back is norm(out) (EAGLE 3.1)
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(h) (speculators)
+
+    @classmethod
+    def from_config(cls, cfg: dict, source: str) -> Eagle3Variant:
+        for key, value in cfg.items():
+            if (isinstance(value, bool) and value and key not in _VARIANT_FLAGS
+                    and key not in _HARMLESS_FLAGS):
+                raise ValueError(f"{source}: EAGLE-3 flag {key}=true is not supported "
+                                 f"(specserve reads {', '.join(_VARIANT_FLAGS)}); the head "
+                                 "would compute something other than what was trained")
+        return cls(**{k: bool(cfg.get(k)) for k in _VARIANT_FLAGS})
+
+
+_VARIANT_FLAGS = tuple(f.name for f in dataclasses.fields(Eagle3Variant))
+# true flags of published EAGLE-3 configs that change nothing specserve computes
+_HARMLESS_FLAGS = frozenset({"has_no_defaults_at_init", "embed_requires_grad", "use_cache",
+                             "return_dict", "tie_word_embeddings", "_name_or_path"})
 
 
 PEAGLE_HINT = ("train one with `specserve train eagle3 --parallel --target DIR --out DIR` (from "
@@ -155,7 +207,7 @@ def read(path: str | Path, target: nn.Module) -> Eagle3Head:
     emb = embedding_of(state, target, args.vocab_size, args.hidden_size)
     mask = (mask_token_id(cfg, str(d), PEAGLE_HINT) if "mask_hidden" in state else None)
     head = Eagle3Head(args, num_aux, target_hidden, draft_vocab, target.args.vocab_size, emb,
-                      mask)
+                      mask, Eagle3Variant.from_config(cfg, src))
     assign_weights(head, fuse_hf_names(state, 1), str(d), optional=("embed_tokens.", "rotary."))
     L = target.args.num_hidden_layers
     head.aux_layers = tuple(cfg.get("eagle_aux_hidden_state_layer_ids") or (2, L // 2, L - 3))
@@ -169,8 +221,11 @@ def write(head: Eagle3Head, out: Path, target_dir: Path, dtype: torch.dtype) -> 
            "target_hidden_size": head.fc.in_features // 3,
            "eagle_aux_hidden_state_layer_ids": list(head.aux_layers),
            "transformer_layer_config": a.to_hf_config() | {"num_hidden_layers": 1}}
-    tensors = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight,
-               "lm_head.weight": head.lm_head.weight, "d2t": head.d2t}
+    cfg |= {k: v for k, v in dataclasses.asdict(head.variant).items() if v}
+    tensors = {k: v for k, v in head.state_dict().items()
+               if k.startswith(("fc.", "input_norm.", "fc_norm."))}
+    tensors |= {"norm.weight": head.norm.weight, "lm_head.weight": head.lm_head.weight,
+                "d2t": head.d2t}
     if head.mask_hidden is not None:                         # P-EAGLE
         cfg["mask_token_id"] = head.mask_token_id
         tensors["mask_hidden"] = head.mask_hidden
@@ -239,4 +294,4 @@ SPEC = MethodSpec(
     summary="EAGLE-3 head on three fused target layers, with a reduced draft vocabulary",
     detect=("eagle3", "eagle-3", "peagle"), needs_model=True, reads_hidden_states=True,
     drafts_trees=True, steps_drafts=True, drafts_in_parallel=True, shards=True,
-    new_head=new_head, read=read, write=write, loss=loss)
+    default_k=speculators_k, recurrent=True, new_head=new_head, read=read, write=write, loss=loss)

@@ -73,9 +73,11 @@ def read(path: str | Path, target: nn.Module) -> MedusaHeads:
         n, layers = cfg["medusa_num_heads"], cfg.get("medusa_num_layers", 1)
         renamed = {}
         for k, v in state.items():
-            m = re.match(r"medusa_head\.(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$", k)
+            # medusa_lm_head.pt's keys, with or without the model's medusa_head. prefix
+            m = re.match(r"(?:medusa_head\.)?(\d+)\.(\d+)\.(?:linear\.)?(weight|bias)$", k)
             if not m:
-                continue
+                raise ValueError(f"{d}: tensor {k!r} is not part of the FasterDecoding Medusa "
+                                 "layout ({i}.{j}.linear.weight/bias, {i}.{layers}.weight)")
             i, j, kind = int(m[1]), int(m[2]), m[3]
             renamed[f"lm_heads.{i}.{kind}" if j == layers else f"blocks.{i}.layers.{j}.{kind}"] = v
         state = renamed

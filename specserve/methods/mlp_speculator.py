@@ -86,7 +86,9 @@ def read(path: str | Path, target: nn.Module) -> MLPSpeculator:
     inner = cfg["inner_dim"] or cfg["emb_dim"]
     spec = MLPSpeculator(cfg["emb_dim"], inner, cfg["vocab_size"], cfg["n_predict"],
                          bool(cfg.get("tie_weights")), bool(cfg.get("scale_input")))
-    assign_weights(spec, read_state_dict(d), str(d))
+    # IBM's fms-fsdp saves the speculator inside a wrapper: its tensors under `speculator.`
+    state = {k.removeprefix("speculator."): v for k, v in read_state_dict(d).items()}
+    assign_weights(spec, state, str(d))
     return spec
 
 

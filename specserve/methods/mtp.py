@@ -1,9 +1,16 @@
 """MTP (DeepSeek-V3 style multi-token prediction): the target's own extra layers,
-block(eh_proj([enorm(embed(x_t+1)); hnorm(h_t)])), stored in the target checkpoint as
-`model.layers.{L}.*`, `model.layers.{L+1}.*`, ... (`num_nextn_predict_layers` in its
-config.json). Several layers take turns over the draft steps, as vLLM runs them: the first is
-fed the target's states, layer i drafts token i+1 from layer i-1's output, and each keeps its
-own KV cache."""
+block(eh_proj([enorm(embed(x_t+1)); hnorm(h_t)])), stored in the target checkpoint. Three
+published layouts hold the same computation under other names:
+- DeepSeek-V3: `model.layers.{L+i}.{enorm, hnorm, eh_proj, shared_head.norm, <layer>}`,
+  counted by `num_nextn_predict_layers`;
+- MiMo (`MiMoForCausalLM`, a Qwen2 target): `model.mtp_layers.{i}.{token_layernorm,
+  hidden_layernorm, input_proj, final_layernorm, <layer>}`, its input_proj reading
+  [hidden; embedding] (the halves are swapped at load);
+- Qwen3-Next (here on a Qwen3 target): `mtp.{pre_fc_norm_embedding, pre_fc_norm_hidden, fc,
+  norm, layers.0.<layer>}`, counted by `mtp_num_hidden_layers` (one layer only).
+Several layers take turns over the draft steps, as vLLM runs them: the first is fed the
+target's states, layer i drafts token i+1 from layer i-1's output, and each keeps its own KV
+cache."""
 
 from __future__ import annotations
 
@@ -83,16 +90,47 @@ def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
     return MTPLayer(layer_args(target.args), target.embed_tokens, target.lm_head)
 
 
+# Each layout's names of the MTP layer's own parts -> DeepSeek's (the decoder layer's tensors
+# keep their names)
+_DEEPSEEK = {"enorm.": "enorm.", "hnorm.": "hnorm.", "eh_proj.": "eh_proj.",
+             "shared_head.norm.": "shared_head_norm.", "shared_head.head.": "lm_head.",
+             "embed_tokens.": "embed_tokens."}
+_MIMO = {"token_layernorm.": "enorm.", "hidden_layernorm.": "hnorm.", "input_proj.": "eh_proj.",
+         "final_layernorm.": "shared_head_norm."}
+_QWEN3_NEXT = {"pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
+               "fc.": "eh_proj.", "norm.": "shared_head_norm."}
+
+
+def num_layers(cfg: dict) -> int:
+    """MTP layers a config counts: DeepSeek's and MiMo's num_nextn_predict_layers, or
+    Qwen3-Next's mtp_num_hidden_layers."""
+    return cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0
+
+
 def read(path: str | Path, target: nn.Module) -> MTPLayer | MTPStack:
     d = Path(path)
     cfg = load_hf_config(d)
-    n = cfg.get("num_nextn_predict_layers", 0)
+    n = num_layers(cfg)
     if not n:
-        raise ValueError(f"{d / 'config.json'}: num_nextn_predict_layers is 0 or missing; this "
-                         "model has no MTP layer")
+        raise ValueError(f"{d / 'config.json'}: no MTP layer: num_nextn_predict_layers "
+                         "(DeepSeek-V3, MiMo) and mtp_num_hidden_layers (Qwen3-Next) are 0 or "
+                         "missing")
     tensors = read_state_dict(d)
     L = target.args.num_hidden_layers
-    layers = [_read_layer(tensors, f"model.layers.{L + i}.", target, d) for i in range(n)]
+    if any(k.startswith("model.mtp_layers.") for k in tensors):
+        layers = [_read_layer(tensors, f"model.mtp_layers.{i}.", _MIMO, target, d)
+                  for i in range(n)]
+        for layer in layers:        # MiMo's input_proj reads [hidden; embedding]
+            w = layer.eh_proj.weight.data
+            w.copy_(torch.cat(w.chunk(2, dim=1)[::-1], dim=1))
+    elif any(k.startswith("mtp.") for k in tensors):
+        if n != 1:
+            raise ValueError(f"{d / 'config.json'}: mtp_num_hidden_layers={n}: a Qwen3-Next MTP "
+                             "module of several decoder layers is not supported (only 1)")
+        layers = [_read_layer(tensors, "mtp.", _QWEN3_NEXT, target, d)]
+    else:
+        layers = [_read_layer(tensors, f"model.layers.{L + i}.", _DEEPSEEK, target, d)
+                  for i in range(n)]
     if n == 1:
         return layers[0]
     for layer in layers[1:]:                # one embedding, as the checkpoint shares it
@@ -100,24 +138,19 @@ def read(path: str | Path, target: nn.Module) -> MTPLayer | MTPStack:
     return MTPStack(layers)
 
 
-def _read_layer(tensors: dict[str, torch.Tensor], prefix: str, target: nn.Module,
-                d: Path) -> MTPLayer:
+def _read_layer(tensors: dict[str, torch.Tensor], prefix: str, names: dict[str, str],
+                target: nn.Module, d: Path) -> MTPLayer:
     raw = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     if not raw:
-        raise ValueError(f"{d}: num_nextn_predict_layers counts an MTP layer {prefix}* that the "
-                         "checkpoint does not hold")
+        raise ValueError(f"{d}: the config counts an MTP layer {prefix}* that the checkpoint "
+                         "does not hold")
     state = {}
     for k, v in raw.items():
-        if k.startswith(("enorm.", "hnorm.", "eh_proj.")):
-            state[k] = v
-        elif k == "shared_head.norm.weight":
-            state["shared_head_norm.weight"] = v
-        elif k == "shared_head.head.weight":
-            state["lm_head.weight"] = v
-        elif k == "embed_tokens.weight":
-            state[k] = v
-        else:
-            state["layers.0." + k] = v
+        part = next((p for p in names if k.startswith(p)), None)
+        if part is not None:
+            state[names[part] + k[len(part):]] = v
+        else:           # the decoder layer (Qwen3-Next's under layers.0.)
+            state["layers.0." + k.removeprefix("layers.0.")] = v
     state = {("block." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
              for k, v in fuse_hf_names(state, 1).items()}
     emb = embedding_of(state, target, target.args.vocab_size, target.args.hidden_size)
@@ -172,4 +205,4 @@ SPEC = MethodSpec(
     model_is_target=True, repeats_layers=True, new_head=new_head, read=read, write=write,
     loss=loss,
     # one draft per MTP layer (vLLM's n_predict for MTP)
-    default_k=lambda path: load_hf_config(path).get("num_nextn_predict_layers") or None)
+    default_k=lambda path: num_layers(load_hf_config(path)) or None)

@@ -113,6 +113,14 @@ def names() -> list[str]:
     return [n for t in CATALOGUE for n in (t, *bundled_drafters(t))]
 
 
+def is_reference(ref: str) -> bool:
+    """Whether `ref` names a model by catalogue name or Hub id rather than a local path."""
+    if Path(ref).exists():
+        return False
+    return (ref in CATALOGUE or any(ref.startswith(t + "-") for t in CATALOGUE)
+            or bool(_HUB_ID.match(ref)))
+
+
 def resolve_model(ref: str) -> str:
     """A local path for a model reference: a path as it is; a catalogue target, pulled on first
     use; a bundled drafter's catalogue name; a Hub id from huggingface_hub's cache (downloaded

@@ -15,7 +15,9 @@ from torch import nn
 from specserve.models.layers import MLP, Attention, AttentionMetadata, RMSNorm, Rotary
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# MiMo is a Qwen2 model with MTP layers beside it (methods/mtp.py reads those)
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "MiMoForCausalLM")
 
 
 @dataclass
@@ -79,9 +81,10 @@ class LlamaArgs:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         qwen3 = arch == "Qwen3ForCausalLM"
         window = cfg.get("sliding_window")
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+        if (arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "MiMoForCausalLM")
+                and not cfg.get("use_sliding_window")):
             window = None
-        default_bias = arch == "Qwen2ForCausalLM"
+        default_bias = arch in ("Qwen2ForCausalLM", "MiMoForCausalLM")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],

@@ -18,7 +18,7 @@ def test_mtp_is_lossless_and_loads_from_the_target(tmp_path, llama_dir):
                                                                "num_speculative_tokens": 2})
     got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
     assert got == ref and llm.get_stats()["spec_decode_num_drafts"] > 0
-    with pytest.raises(ValueError, match="num_nextn_predict_layers is 0 or missing"):
+    with pytest.raises(ValueError, match="no MTP layer: num_nextn_predict_layers"):
         LLM(str(llama_dir), device=DEVICE, speculative_config={"method": "mtp",
                                                                 "num_speculative_tokens": 2})
 
