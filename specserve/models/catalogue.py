@@ -142,15 +142,22 @@ def resolve_model(ref: str) -> str:
                             "(org/name)")
 
 
+def _hub_cache() -> str | None:
+    """The Hub cache as the environment names it now (huggingface_hub reads it at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    return str(Path(os.environ["HF_HOME"]) / "hub") if os.environ.get("HF_HOME") else None
+
+
 def _hub_snapshot(repo_id: str) -> str:
     try:
-        return snapshot_download(repo_id, local_files_only=True)
+        return snapshot_download(repo_id, cache_dir=_hub_cache(), local_files_only=True)
     except (LocalEntryNotFoundError, HFValidationError, OSError) as cached_error:
         if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False"):
             raise FileNotFoundError(f"{repo_id} is not in the Hugging Face cache and "
-                                    "HF_HUB_OFFLINE is set ({cached_error})") from None
+                                    f"HF_HUB_OFFLINE is set ({cached_error})") from None
     try:
-        return snapshot_download(repo_id, allow_patterns=[
+        return snapshot_download(repo_id, cache_dir=_hub_cache(), allow_patterns=[
             "*.json", "*.safetensors", "*.jinja", "*.gguf", "tokenizer.model"])
     except Exception as e:      # huggingface_hub raises many kinds; all mean "not fetched"
         raise FileNotFoundError(f"{repo_id} is not in the Hugging Face cache and could not be "

@@ -4,6 +4,8 @@ from the package registry) matches transformers' own GGUF load, tokenizer and ch
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -158,3 +160,25 @@ def test_smollm2_matches_transformers_gguf_load(smollm2, smollm2_hf):
             gen = ref.generate(torch.tensor([i]), max_new_tokens=48, do_sample=False)
         equal += out.outputs[0].token_ids == gen[0, len(i):].tolist()
     assert equal == len(PROMPTS)
+
+
+def test_transformers_5_directory_of_smollm2_chats_like_its_gguf(smollm2, smollm2_hf, tmp_path):
+    """Written back out by transformers 5 (chat_template.jinja, rope_parameters), the model
+    loads as a directory and answers a chat as the GGUF does."""
+    from specserve import LLM, SamplingParams
+    from transformers import LlamaForCausalLM
+    tok, model = smollm2_hf
+    # transformers refuses to save a model it read from GGUF; the same weights in a new model
+    config = copy.deepcopy(model.config)
+    config.quantization_config = None
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").is_file()
+    assert "rope_parameters" in (tmp_path / "config.json").read_text()
+    msgs = [{"role": "user", "content": "Name a planet."}]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    from_dir = LLM(model=str(tmp_path), dtype="float32", device="cpu").chat(msgs, params)
+    from_gguf = LLM(model=str(smollm2), dtype="float32", device="cpu").chat(msgs, params)
+    assert from_dir[0].outputs[0].token_ids == from_gguf[0].outputs[0].token_ids
