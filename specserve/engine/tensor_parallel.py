@@ -1,23 +1,25 @@
 """The processes of tensor parallelism: rank 0 is the engine's own process; ranks 1..N-1 are
-worker processes (torch.multiprocessing, spawn) that load their shard of the target
-(`models/tensor_parallel.py`) and run every target step the engine runs. All ranks join one
-gloo process group over a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's variables; by default
-127.0.0.1 and a free port). Each step the engine sends the step's plain description (token
+worker processes (`python -m specserve.engine.worker`, started with subprocess: nothing of the
+caller's script runs in them, so a script without a main guard, a REPL, a notebook or
+`python -c` work alike) that load their shard of the target (`models/tensor_parallel.py`) and
+run every target step the engine runs. All ranks join one gloo process group over a TCPStore
+at MASTER_ADDR:MASTER_PORT (torchrun's variables; by default 127.0.0.1 and a free port). Each step the engine sends the step's plain description (token
 ids, positions, slots: JSON) to the workers, then every rank runs its shard; the all-reduces
 inside the layers keep them in lockstep. The scheduler, sampler, verifier and proposers stay on
 rank 0. A drafter of draft_tensor_parallel_size > 1 is sharded too: a draft model like the
 target (`add`), a head's decoder layers alone (`shard_head`: the rest of the head stays on
 rank 0, which sends each layer step its inputs). With the CPU kernel, the steps and the
-layers' all-reduces go through memory the ranks share (rank 0 makes it and hands it to the
-workers it spawns), not gloo's round trips over TCP, two per layer.
+layers' all-reduces go through memory the ranks share (files in /dev/shm that rank 0 makes
+and removes once every worker has mapped them), not gloo's round trips over TCP, two per layer.
 
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set: one process per rank, on one
 machine or several) no process is spawned: every rank runs the same script, rank 0 goes on as
 the engine's and the others serve it inside `LLM(...)`, over gloo, then end their process.
 
 A worker that dies is noticed at the next step (or inside a collective, which then fails): the
-engine raises and stops, and the server answers 503. Workers stop when the engine is closed,
-garbage-collected or its process exits (they are daemons), and on Ctrl-C with it.
+engine raises and stops, and the server answers 503. Workers stop when the engine is closed or
+garbage-collected, and whenever rank 0's process ends, however it ends (SIGKILL included): each
+worker reads a pipe from rank 0 that closes with it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import functools
 import json
 import os
 import socket
+import subprocess
+import sys
+import tempfile
 import time
 import weakref
 from collections.abc import Callable
@@ -36,7 +41,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from specserve.config import resolve_dtype
@@ -76,8 +80,40 @@ class WorkerArgs:
     addr: str
     port: int
     threads: int
-    # SharedMemoryAllReduce's and SharedMemoryChannel's memory; None: gloo's collectives
-    shm: tuple[torch.Tensor, torch.Tensor] | None
+    # files of SharedMemoryAllReduce's and SharedMemoryChannel's memory; None: gloo's
+    # collectives
+    shm: tuple[str, str] | None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerArgs:
+        d = json.loads(text)
+        return cls(**d | {"shm": tuple(d["shm"]) if d["shm"] else None})
+
+
+def _shm_tensors(a: WorkerArgs) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The shared memory of `a.shm`, mapped: the all-reduce's int64 words, the channel's bytes."""
+    if a.shm is None:
+        return None
+    reduce_file, channel_file = a.shm
+    return (torch.from_file(reduce_file, shared=True, size=shm_numel(a.size, SHM_CAP),
+                            dtype=torch.int64),
+            torch.from_file(channel_file, shared=True,
+                            size=SharedMemoryChannel.HEADER + STEP_BYTES, dtype=torch.uint8))
+
+
+def _make_shm_files(size: int) -> tuple[str, str]:
+    """Two zero-filled files for the ranks' shared memory, in /dev/shm where it exists."""
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    files = []
+    for nbytes in (8 * shm_numel(size, SHM_CAP), SharedMemoryChannel.HEADER + STEP_BYTES):
+        fd, path = tempfile.mkstemp(prefix="specserve-tp-", dir=where)
+        os.ftruncate(fd, nbytes)
+        os.close(fd)
+        files.append(path)
+    return files[0], files[1]
 
 
 def _free_port() -> int:
@@ -110,18 +146,19 @@ class _Link:
 
 
 def _link(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[], None],
-          peers: tuple[int, ...] = (), parent: int = 0) -> _Link:
+          shm: tuple[torch.Tensor, torch.Tensor] | None, peers: tuple[int, ...] = (),
+          parent: int = 0) -> _Link:
     """Join the gloo group (an object of its own: no process-global default group).
     `check_peers` raises when a rank that shared memory waits for is gone; the C side looks for
     the exit of `peers` (rank 0's workers) or of `parent` (a worker's rank 0) itself."""
     group = dist.ProcessGroupGloo(store, rank, a.size,
                                   datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-    if a.shm is None:
+    if shm is None:
         return _Link(group, gloo_all_reduce(group), None)
     lib = load_library()
-    reduce = SharedMemoryAllReduce(lib, a.shm[0], rank, a.size, SHM_CAP, check_peers,
+    reduce = SharedMemoryAllReduce(lib, shm[0], rank, a.size, SHM_CAP, check_peers,
                                    peers=peers, parent=parent)
-    return _Link(group, reduce, SharedMemoryChannel(lib, a.shm[1], check_peers))
+    return _Link(group, reduce, SharedMemoryChannel(lib, shm[1], check_peers))
 
 
 def _load(a: WorkerArgs, path: str, max_len: int) -> torch.nn.Module:
@@ -142,20 +179,22 @@ def _rank0_alive(parent: int) -> None:
         raise WorkerDied("rank 0 is gone; this worker stops")
 
 
-def _worker(a: WorkerArgs, rank: int) -> None:
-    """A spawned worker process: rank `rank` until rank 0 stops it (or is gone)."""
+def run_worker(a: WorkerArgs, rank: int) -> None:
+    """A worker process started by rank 0 (`specserve.engine.worker`): rank `rank` until rank
+    0 stops it (or is gone)."""
     torch.set_num_threads(a.threads)
     parent = os.getppid()
-    _serve(a, rank, _store(a, rank), lambda: _rank0_alive(parent), parent)
+    _serve(a, rank, _store(a, rank), lambda: _rank0_alive(parent), _shm_tensors(a), parent)
 
 
 def _serve(a: WorkerArgs, rank: int, store: dist.Store, check_peers: Callable[[], None],
-           parent: int = 0) -> None:
+           shm: tuple[torch.Tensor, torch.Tensor] | None = None, parent: int = 0) -> None:
     """Rank `rank`'s loop: load and shard the target, then run the steps rank 0 sends (of the
-    target, or of a model it asked every rank to add: a sharded drafter)."""
+    target, or of a model it asked every rank to add: a sharded drafter). `shm`: the shared
+    memory, mapped before this rank says it has loaded (rank 0 then removes its files)."""
     model = _load(a, a.model, a.max_len)
     store.set(f"loaded{rank}", "1")
-    link = _link(a, rank, store, check_peers, parent=parent)
+    link = _link(a, rank, store, check_peers, shm, parent=parent)
     model = _shard(a, rank, link, model, a.quantization)
     models = {TARGET: (model, make_kv_cache(model, a.num_slots, a.max_len,
                                             kv_cache_dtype=a.kv_cache_dtype,
@@ -258,9 +297,17 @@ def _receive(link: _Link) -> bytes:
     return data.numpy().tobytes()
 
 
-def _stop(links: list[_Link], workers: list, store: dist.Store, size: int) -> None:
+def _remove(files: tuple[str, str] | None) -> None:
+    for f in files or ():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f)
+
+
+def _stop(links: list[_Link], workers: list, store: dist.Store, size: int,
+          shm_files: tuple[str, str] | None = None) -> None:
     """Tell live workers to stop (an empty step, once they are linked), then reap them (or,
     those a launcher started, wait until they have left the group), then leave it."""
+    _remove(shm_files)
     if links and all(w.is_alive() for w in workers):
         try:
             if links[0].channel is not None:
@@ -290,9 +337,44 @@ def _check_alive(workers: list, doing: str) -> None:
     if dead:
         raise WorkerDied(
             f"tensor-parallel worker {dead[0].name} died during {doing} (exit code "
-            f"{dead[0].exitcode}); the engine stops: see the worker's error above (a "
-            "script must build the engine under `if __name__ == \"__main__\":`, which "
-            "multiprocessing's spawn needs) and restart it")
+            f"{dead[0].exitcode}); the engine stops: see the worker's error above and "
+            "restart it")
+
+
+class _Worker:
+    """A worker process (rank `rank`): `python -m specserve.engine.worker`, its arguments on
+    its stdin, which then stays open as the pipe whose closing tells it rank 0 is gone."""
+
+    def __init__(self, a: WorkerArgs, rank: int) -> None:
+        self.name = f"specserve-tp-rank{rank}"
+        # the package importable in the worker even where it is not installed (a checkout)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = os.environ | {"PYTHONPATH": os.pathsep.join(
+            filter(None, [root, os.environ.get("PYTHONPATH")]))}
+        for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):    # not a launcher's rank
+            env.pop(var, None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "specserve.engine.worker",
+                                      str(rank)], stdin=subprocess.PIPE, env=env)
+        self.proc.stdin.write(a.to_json().encode() + b"\n")
+        self.proc.stdin.flush()
+        self.pid = self.proc.pid
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout)
+        if not self.is_alive():
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
 
 
 class TensorParallel:
@@ -314,16 +396,15 @@ class TensorParallel:
         # one process per machine's share of the cores: spawned here, each rank gets its share
         threads = (torch.get_num_threads() if launched else
                    max(1, torch.get_num_threads() // size))
-        # spawned ranks share this machine's memory; launched ones may not
-        shm = ((torch.zeros(shm_numel(size, SHM_CAP), dtype=torch.int64).share_memory_(),
-                torch.zeros(SharedMemoryChannel.HEADER + STEP_BYTES,
-                            dtype=torch.uint8).share_memory_())
-               if not launched and cpu_kernel and load_library() is not None else None)
+        # the workers started here share this machine's memory; launched ones may not
+        shm_files = (_make_shm_files(size)
+                     if not launched and cpu_kernel and load_library() is not None else None)
         port = int(os.environ.get("MASTER_PORT") or _free_port())
         self.args = WorkerArgs(model, dtype, max_len, num_slots, cpu_kernel, quantization,
                                kv_cache_dtype, size, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                               port, threads, shm)
-        self.workers: list = []
+                               port, threads, shm_files)
+        self._shm = _shm_tensors(self.args)
+        self.workers: list[_Worker] = []
         self._links: list[_Link] = []                  # rank 0's link, once joined
         if launched is not None:
             # torchrun's store (its agent's, or rank 0's): the ranks meet there, under a prefix
@@ -335,24 +416,24 @@ class TensorParallel:
                 raise SystemExit(0)
         else:
             self.store = _store(self.args, 0)          # the server: before any worker
-            ctx = mp.get_context("spawn")
-            self.workers = [ctx.Process(target=_worker, args=(self.args, rank), daemon=True,
-                                        name=f"specserve-tp-rank{rank}")
-                            for rank in range(1, size)]
-            for w in self.workers:
-                w.start()
+            try:
+                self.workers = [_Worker(self.args, rank) for rank in range(1, size)]
+            except BaseException:
+                _remove(shm_files)
+                raise
         self._stopper = weakref.finalize(self, _stop, self._links, self.workers, self.store,
-                                         size)
+                                         size, shm_files)
 
     def load(self) -> torch.nn.Module:
         """Rank 0's shard; returns once every worker has loaded and sharded its own."""
         model = _load(self.args, self.args.model, self.args.max_len)
         keys = [f"loaded{w}" for w in range(1, self.args.size)]
         self._poll(lambda: self.store.check(keys), "loading the model")
+        _remove(self.args.shm)          # every worker has mapped it: nothing left behind
         # not a method: the link outlives this object (the finalizer that stops the workers
         # holds it) and must not keep it alive
         link = _link(self.args, 0, self.store,
-                     functools.partial(_check_alive, self.workers, "a step"),
+                     functools.partial(_check_alive, self.workers, "a step"), self._shm,
                      peers=tuple(w.pid for w in self.workers))
         self._links.append(link)
         model = _shard(self.args, 0, link, model, self.args.quantization)

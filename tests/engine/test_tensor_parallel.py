@@ -7,7 +7,13 @@ from __future__ import annotations
 import gc
 import multiprocessing
 import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -33,11 +39,36 @@ ZOO = REPO / "models"
 TP = 2
 
 
+def worker_pids() -> list[int]:
+    """PIDs of live tensor-parallel worker processes on this machine (specserve.engine.worker),
+    whoever started them."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if b"specserve.engine.worker" in cmd and state != "Z":
+            pids.append(int(d.name))
+    return pids
+
+
+def _gone(pids: list[int], timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while set(pids) & set(worker_pids()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 @pytest.fixture(autouse=True)
 def no_worker_left_behind():
     yield
     gc.collect()
-    assert multiprocessing.active_children() == []
+    assert _gone(worker_pids(), timeout=10)
+    assert not list(Path("/dev/shm").glob("specserve-tp-*"))
 
 
 def _logprobs(llm: LLM, prompts) -> list[list[dict[int, float]]]:
@@ -277,13 +308,90 @@ def test_ranks_that_torchrun_starts_serve_rank_0s_engine(llama_dir, tmp_path):
     assert f"TOKENS {ref[0].outputs[0].token_ids}" in r.stdout
 
 
-def test_the_seeds_eagle_example_runs_on_two_ranks():
-    llm = LLM(model=str(ZOO / "code-target"), tensor_parallel_size=2, speculative_config={
-        "model": str(ZOO / "code-target-eagle3"), "draft_tensor_parallel_size": 1,
-        "num_speculative_tokens": 2, "method": "eagle3"})
+# The seeds' offline EAGLE example as users write it: module level, no main guard.
+SEED_EXAMPLE = textwrap.dedent(f"""
+    from specserve import LLM, SamplingParams
+    llm = LLM(model={str(ZOO / "code-target")!r}, tensor_parallel_size=2, speculative_config={{
+        "model": {str(ZOO / "code-target-eagle3")!r}, "draft_tensor_parallel_size": 1,
+        "num_speculative_tokens": 2, "method": "eagle3"}})
     out = llm.generate(["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=24))
-    assert len(out[0].outputs[0].token_ids) == 24
-    assert llm.get_stats()["mean_acceptance_length"] > 1.2
+    print("TOKENS", out[0].outputs[0].token_ids)
+    print("TAU", llm.get_stats()["mean_acceptance_length"])
+""")
+
+
+@pytest.fixture(scope="module")
+def one_rank_tokens() -> list[int]:
+    out = LLM(model=str(ZOO / "code-target")).generate(
+        ["def fibonacci(n):"], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    return out[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("how", ["script", "python -c"])
+def test_the_seeds_eagle_example_runs_as_written_on_two_ranks(how, tmp_path, one_rank_tokens):
+    """No `if __name__ == "__main__":`: the workers are processes of their own, which never
+    import the caller's script."""
+    script = tmp_path / "eagle_example.py"
+    script.write_text(SEED_EXAMPLE)
+    cmd = [sys.executable, str(script)] if how == "script" else [sys.executable, "-c",
+                                                                 SEED_EXAMPLE]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("TOKENS") == 1, r.stdout           # the script ran once
+    assert f"TOKENS {one_rank_tokens}" in r.stdout
+    assert float(r.stdout.split("TAU")[1]) > 1.2
+
+
+def test_serve_command_on_two_ranks_answers_the_openai_client(one_rank_tokens):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "specserve.cli", "serve",
+                             str(ZOO / "code-target"), "--port", str(port),
+                             "--tensor-parallel-size", "2", "--speculative-config",
+                             '{"model": "%s", "draft_tensor_parallel_size": 1, '
+                             '"num_speculative_tokens": 2}' % (ZOO / "code-target-eagle3")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                r = client.completions.create(model=str(ZOO / "code-target"),
+                                              prompt="def fibonacci(n):", temperature=0,
+                                              max_tokens=24)
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.5)
+        ref = LLM(model=str(ZOO / "code-target")).get_tokenizer().decode(one_rank_tokens)
+        assert r.choices[0].text == ref
+        assert len(worker_pids()) == 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert _gone(worker_pids())
+
+
+def test_no_worker_survives_rank_0_killed(tmp_path):
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent(f"""
+        import time
+        from specserve import LLM
+        llm = LLM(model={str(ZOO / "code-target")!r}, tensor_parallel_size=2)
+        print("PIDS", [w.pid for w in llm.engine.tp.workers], flush=True)
+        time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("PIDS"), line
+    pids = [int(p) for p in line.split("[")[1].rstrip("]\n").split(",")]
+    assert set(pids) <= set(worker_pids())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert _gone(pids), f"workers {pids} outlived rank 0"
 
 
 def test_the_server_answers_on_two_ranks(text_model_dir):
@@ -309,7 +417,7 @@ def test_sizes_that_cannot_split_the_model_are_refused_before_any_process(llama_
         LLM(str(llama_dir), device="cpu", tensor_parallel_size=2, speculative_config={
             "method": "medusa", "model": str(llama_dir), "num_speculative_tokens": 2,
             "draft_tensor_parallel_size": 2})
-    assert multiprocessing.active_children() == []
+    assert worker_pids() == []
 
 
 def test_a_worker_that_dies_stops_the_engine_with_a_message(llama_dir):
