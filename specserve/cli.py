@@ -124,9 +124,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    from specserve.models.catalogue import resolve_model
     from specserve.train.generated import GeneratedData
     from specserve.train.lm import ModelShape, train_draft, train_lm
     from specserve.train.trainer import TrainConfig
+    for name in ("target", "draft", "init"):        # catalogue names, Hub ids: local paths
+        if getattr(args, name):
+            setattr(args, name, resolve_model(getattr(args, name)))
+    if args.kind == "chat-data":
+        from specserve.train.chat_data import ChatDataConfig, generate_chat_data
+        summary = generate_chat_data(args.target, Path(args.out),
+                                     ChatDataConfig(**dataclass_kwargs(args, ChatDataConfig)))
+        print(json.dumps(summary))
+        return
     if args.work_dir is None:
         args.work_dir = str(Path("runs") / Path(args.out).name)
     cfg = TrainConfig(**dataclass_kwargs(args, TrainConfig))
@@ -141,7 +151,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                             init=Path(args.init) if args.init else None,
                             refresh_vocab=args.refresh_draft_vocab,
                             hidden_states=Path(args.hidden_states) if args.hidden_states else None,
-                            head_options=head_options)
+                            head_options=head_options, chat=args.eval_chat)
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
     if args.kind == "pard":
@@ -215,6 +225,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specserve.train.chat_data import ChatDataConfig
     from specserve.train.generated import GeneratedData
     from specserve.train.lm import ModelShape
     from specserve.train.trainer import TrainConfig
@@ -258,7 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "--target so that its greedy output stops looping), draft "
                        "(distillation), pard (adapt --draft to parallel drafting) or a draft "
                        "head for a target")
-    t.add_argument("kind", choices=["lm", "unlikelihood", "draft", "pard", *head_methods()])
+    t.add_argument("kind", choices=["lm", "unlikelihood", "draft", "pard", "chat-data",
+                                    *head_methods()],
+                   help="chat-data: answer the chat prompt set with --target, writing its "
+                        "hidden states and answers to --out (the training set of its drafters)")
     t.add_argument("--out", required=True, help="the trained model's HF directory")
     t.add_argument("--work-dir", default=None, help="checkpoints and logs; a run resumes from "
                    "here (default: runs/<name of --out>)")
@@ -290,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "ahead by exp(-(d-1) / GAMMA) (as DFlash weighs its block), so that a "
                         "small drafter learns the drafts that get accepted first (default: all "
                         "alike, PARD's recipe)")
+    t.add_argument("--eval-chat", action="store_true",
+                   help="heads: measure tau on the held-out chat prompts through the target's "
+                        "chat template, at each K up to --num-speculative-tokens, greedy and at "
+                        "temperature 0.7 (a chat target), instead of on code completions")
     t.add_argument("--parallel", action="store_true",
                    help="eagle3: a P-EAGLE head, trained to draft all K tokens in one pass "
                         "(parallel_drafting); --init may name a chain head to start from")
@@ -304,6 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dataclass_args(t.add_argument_group("draft and heads: target-generated training text"),
                        GeneratedData)
     add_dataclass_args(t.add_argument_group("unlikelihood"), UnlikelihoodConfig)
+    add_dataclass_args(t.add_argument_group("chat-data"), ChatDataConfig)
     t.set_defaults(func=cmd_train)
 
     z = sub.add_parser("zoo", help="rebuild (build), measure (eval) or list (manifest) the "

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import gc
 import itertools
 import logging
@@ -13,20 +11,17 @@ from pathlib import Path
 
 import torch
 
-from specserve import methods
 from specserve.config import EngineConfig, resolve_device, resolve_dtype
 from specserve.engine.adaptive_k import AdaptiveK
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
-from specserve.engine.tensor_parallel import TensorParallel
+from specserve.engine.executor import make_executor
 from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
 from specserve.metrics import SpecDecodingStats
-from specserve.models.backend import Backend, make_kv_cache
+from specserve.models.backend import Backend
 from specserve.models.catalogue import resolve_model
-from specserve.models.llama import LlamaArgs
-from specserve.models.loader import load_hf_config, load_model, load_tokenizer, read_json
-from specserve.models.tensor_parallel import check_divisible
+from specserve.models.loader import load_hf_config, load_tokenizer, read_json
 from specserve.outputs import CompletionOutput, RequestOutput
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.sampling.sampler import token_logprobs
@@ -72,19 +67,15 @@ class LLMEngine:
                                quantization=mc.quantization)
         sc = config.scheduler_config
         self.spec = config.speculative_config
-        self.tp = self._tensor_parallel(mc, sc, hf)
-        if self.tp is not None:
-            self.model = self.tp.load()
-        else:
-            self.model = self.backend.prepare(
-                load_model(mc.model, self.dtype, self.device, max_len=self.max_model_len))
+        self.executor = make_executor(mc, self.spec, self.backend, self.max_model_len,
+                                      sc.max_num_seqs, hf)
+        self.model = self.executor.load_target()
         self.vocab_size = self.model.args.vocab_size
         self.eos_token_ids = _eos_ids(mc.model, hf, self.tokenizer)
-        self.cache = make_kv_cache(self.model, sc.max_num_seqs, self.max_model_len,
-                                   self.backend.cuda_graphs, mc.kv_cache_dtype, self.dtype)
+        self.cache = self.executor.kv_cache(self.model)
         self.runner = ModelRunner(self.model, self.cache, self.device,
                                   self.backend.graphs(self.model, self.cache, sc.max_num_seqs),
-                                  self.tp)
+                                  self.executor.before_step)
         self.proposer: Proposer | None = None
         caches = [self.cache]
         # The drafter's context (speculative max_model_len, a draft model's own): past it a
@@ -92,16 +83,10 @@ class LLMEngine:
         self.draft_max_len: int | None = None
         if self.spec is not None:
             draft_backend = dataclasses.replace(self.backend, quantization=self.spec.quantization)
-            sharded = self.spec.draft_tensor_parallel_size > 1
             self.proposer = build_proposer(self.spec, DraftContext(
                 target=self.model, target_path=mc.model, num_slots=sc.max_num_seqs,
                 max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                backend=draft_backend,
-                load_sharded=(functools.partial(self.tp.add, "draft",
-                                                quantization=self.spec.quantization)
-                              if sharded else None),
-                shard_head=(functools.partial(self.tp.shard_head, "head", backend=draft_backend)
-                            if sharded else None)))
+                backend=draft_backend, **self.executor.draft_hooks(self.spec, draft_backend)))
             self.draft_max_len = self._draft_max_len(self.spec.max_model_len,
                                                      self.proposer.max_model_len)
             caches += self.proposer.caches
@@ -126,33 +111,9 @@ class LLMEngine:
             gc.collect()
             gc.freeze()
 
-    def _tensor_parallel(self, mc, sc, hf: dict) -> TensorParallel | None:
-        """The worker processes of tensor_parallel_size > 1 (checked first: a size that cannot
-        split the model fails before any process starts), else None."""
-        size = mc.tensor_parallel_size
-        draft_size = self.spec.draft_tensor_parallel_size if self.spec else 1
-        if draft_size not in (1, size):
-            raise ValueError(f"draft_tensor_parallel_size={draft_size} must be 1 or equal to "
-                             f"tensor_parallel_size={size} (vLLM's rule)")
-        if draft_size > 1 and not methods.get(self.spec.method).shards:
-            raise ValueError(f"draft_tensor_parallel_size={draft_size} shards the drafters of "
-                             f"{', '.join(methods.sharded_methods())} only; "
-                             f"{self.spec.method!r} runs whole on rank 0 beside the sharded "
-                             "target: use draft_tensor_parallel_size=1")
-        if size == 1:
-            return None
-        if self.device.type != "cpu":
-            raise ValueError(f"tensor_parallel_size={size} runs on the CPU (gloo) only; on "
-                             f"{self.device.type} use tensor_parallel_size=1")
-        check_divisible(LlamaArgs.from_hf_config(hf, str(Path(mc.model) / "config.json")),
-                        size)
-        return TensorParallel(mc.model, size, mc.dtype, self.max_model_len, sc.max_num_seqs,
-                              mc.cpu_kernel, mc.quantization, mc.kv_cache_dtype)
-
     def close(self) -> None:
         """Stop the tensor-parallel workers (also done when the engine is collected)."""
-        if self.tp is not None:
-            self.tp.close()
+        self.executor.close()
 
     def _draft_max_len(self, given: int | None, drafter: int | None) -> int | None:
         """speculative max_model_len: at most the target's and the drafter's own (vLLM's
@@ -229,7 +190,7 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns an output for every request that made progress."""
-        with self.tp.own_cores() if self.tp is not None else contextlib.nullcontext():
+        with self.executor.scope():
             return self._step()
 
     def _step(self) -> list[RequestOutput]:

@@ -8,10 +8,11 @@ their depth and masked to see only their ancestors (`tree_rows`, `build_tree_met
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specserve.engine.scheduler import ScheduledRequest
-from specserve.engine.tensor_parallel import TensorParallel
 from specserve.kv_cache import KVCache
 from specserve.methods import RunnerOutput
 from specserve.models.cuda_graphs import CudaGraphs
@@ -20,12 +21,14 @@ from specserve.models.metadata import step_inputs, tree_rows
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache: KVCache, device: torch.device,
-                 graphs: CudaGraphs | None = None, tp: TensorParallel | None = None) -> None:
+                 graphs: CudaGraphs | None = None,
+                 before_step: Callable[[dict], None] | None = None) -> None:
         self.model = model
         self.cache = cache
         self.device = device
         self.graphs = graphs                      # few-row steps replayed on CUDA
-        self.tp = tp                              # the other ranks run each step's shards
+        # the executor's: the other ranks run each step's shards
+        self.before_step = before_step
         self.aux_layers: tuple[int, ...] = ()     # set by the engine for EAGLE-3 proposers
 
     @torch.inference_mode()
@@ -56,8 +59,8 @@ class ModelRunner:
             for s, b in zip(starts, batch)] if tree else None}
         token_ids, positions, md = step_inputs(step, self.device)
         aux = None
-        if self.tp is not None:
-            self.tp.step(step)
+        if self.before_step is not None:
+            self.before_step(step)
         if self.aux_layers:
             hidden, aux = self.model(token_ids, positions, md, self.cache.layers,
                                      aux_layers=self.aux_layers)            # [T, H], [T, n*H]

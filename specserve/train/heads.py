@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from specserve import methods
+from specserve.data.chat_prompts import chat_prompts
 from specserve.data.corpus import Corpus
 from specserve.data.prompts import completion_prompts
 from specserve.llm import LLM
@@ -167,7 +168,7 @@ def state_loss(method: str, head: nn.Module, target, k: int, top1_weight: float 
 
 def read_hidden_states(directory: Path) -> tuple[list[dict[str, torch.Tensor]], tuple[int, ...]]:
     """The files `extract_hidden_states` wrote to `directory`, and the target layers they hold."""
-    files = sorted(Path(directory).glob("*.safetensors"))
+    files = sorted(Path(directory).rglob("*.safetensors"))      # batch directories too
     if not files:
         raise ValueError(f"{directory} holds no .safetensors files; write some with "
                          "speculative_config {\"method\": \"extract_hidden_states\", "
@@ -230,8 +231,10 @@ def save_head(method: str, head: nn.Module, out: Path, target_dir: Path,
 
 
 def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prompts: int = 8,
-                 max_tokens: int = 96, extra: dict | None = None) -> dict:
-    """Mean acceptance length at K, greedy, on held-out code prompts (`extra`: more
+                 max_tokens: int = 96, extra: dict | None = None, chat: bool = False,
+                 temperature: float = 0.0) -> dict:
+    """Mean acceptance length at K on held-out prompts: code completions, or with `chat` the
+    held-out chat prompts through the target's chat template (`extra`: more
     speculative_config keys)."""
     spec = {"method": method, "num_speculative_tokens": k} | (extra or {})
     in_target = methods.get(method).model_is_target      # the head dir is the target (mtp)
@@ -239,8 +242,14 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
         spec["model"] = str(head_dir)
     llm = LLM(str(head_dir if in_target else target_dir), device="cpu", speculative_config=spec)
     max_tokens = min(max_tokens, llm.engine.max_model_len // 2)
-    llm.generate(fit_prompts(llm, completion_prompts(num_prompts), max_tokens), SamplingParams(
-        temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0,
+                            ignore_eos=not chat)
+    if chat:
+        llm.chat([[{"role": "user", "content": p}] for p in chat_prompts("heldout")[:num_prompts]],
+                 params, use_tqdm=False)
+    else:
+        llm.generate(fit_prompts(llm, completion_prompts(num_prompts), max_tokens), params,
+                     use_tqdm=False)
     m = llm.get_stats()
     d = max(1, m["spec_decode_num_drafts"])
     return {"tau": m["mean_acceptance_length"], "acceptance_rate": m["acceptance_rate"],
@@ -251,13 +260,14 @@ def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: in
                gen: GeneratedData | None = None, corpus: Corpus | None = None,
                draft_vocab: int | None = None, init: Path | None = None,
                refresh_vocab: bool = False, hidden_states: Path | None = None,
-               head_options: dict | None = None) -> dict:
+               head_options: dict | None = None, chat: bool = False) -> dict:
     """Train a head for `target_dir` (starting from the head in `init` when given), write it to
     `out`, return its tau evaluation. With `hidden_states`, on the files `extract_hidden_states`
-    wrote there instead of corpus text."""
+    wrote there instead of corpus text; with `chat`, tau is measured on the held-out chat
+    prompts (per K, greedy and sampled) instead of code completions."""
     return train_heads({method: out}, cfg, target_dir, k, gen, corpus, draft_vocab,
                        {method: init} if init else None, refresh_vocab, hidden_states,
-                       head_options)[method]
+                       head_options, chat)[method]
 
 
 def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: int = 4,
@@ -266,7 +276,7 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
                 inits: dict[str, Path] | None = None,
                 refresh_vocab: bool = False,
                 hidden_states: Path | None = None,
-                head_options: dict | None = None) -> dict[str, dict]:
+                head_options: dict | None = None, chat: bool = False) -> dict[str, dict]:
     """Train a head of each method in `outs` (method -> output directory) on the same batches,
     write each in its format, return each one's tau evaluation ({} while unfinished; a
     "skipped" note where the checkpoint is already past this schedule). A method in `inits`
@@ -330,8 +340,14 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
     for m, out in outs.items():
         save_head(m, heads[m], out, target_dir)
         parallel = getattr(heads[m], "mask_hidden", None) is not None        # P-EAGLE
-        results[m] = evaluate_tau(target_dir, out, m, k,
-                                  extra={"parallel_drafting": True} if parallel else None)
+        extra = {"parallel_drafting": True} if parallel else None
+        results[m] = evaluate_tau(target_dir, out, m, k, extra=extra, chat=chat)
+        if chat:        # tau per K, greedy and sampled, on the held-out chat prompts
+            results[m]["tau_per_k"] = {
+                f"temperature {t}": {kk: round(evaluate_tau(target_dir, out, m, kk, 16, 128,
+                                                            extra, True, t)["tau"], 3)
+                                     for kk in range(1, k + 1)}
+                for t in (0.0, 0.7)}
         (out / "quality.json").write_text(json.dumps({"method": m, "k": k, **results[m],
                                                       "train_steps": cfg.steps}, indent=2) + "\n")
     return results

@@ -381,7 +381,7 @@ def test_no_worker_survives_rank_0_killed(tmp_path):
         import time
         from specserve import LLM
         llm = LLM(model={str(ZOO / "code-target")!r}, tensor_parallel_size=2)
-        print("PIDS", [w.pid for w in llm.engine.tp.workers], flush=True)
+        print("PIDS", [w.pid for w in llm.engine.executor.tp.workers], flush=True)
         time.sleep(600)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
@@ -422,8 +422,8 @@ def test_sizes_that_cannot_split_the_model_are_refused_before_any_process(llama_
 
 def test_a_worker_that_dies_stops_the_engine_with_a_message(llama_dir):
     llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=TP)
-    llm.engine.tp.workers[0].kill()
-    llm.engine.tp.workers[0].join()
+    llm.engine.executor.tp.workers[0].kill()
+    llm.engine.executor.tp.workers[0].join()
     with pytest.raises(RuntimeError, match="tensor-parallel worker specserve-tp-rank1 died"):
         llm.generate(TokensPrompt(prompt_token_ids=[1, 2, 3]), _greedy(4), use_tqdm=False)
     llm.engine.close()
@@ -435,8 +435,8 @@ def test_a_worker_that_dies_mid_step_is_noticed_inside_the_step(llama_dir):
     if load_library() is None:
         pytest.skip("no C compiler: the CPU kernel cannot be built here")
     llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=TP)
-    llm.engine.tp.workers[0].kill()
-    llm.engine.tp.workers[0].join()
+    llm.engine.executor.tp.workers[0].kill()
+    llm.engine.executor.tp.workers[0].join()
     md, positions = build_metadata([0], [3], [0], torch.device("cpu"))
     start = time.monotonic()
     with pytest.raises(WorkerDied, match="specserve-tp-rank1 died during a step"):
@@ -448,7 +448,7 @@ def test_a_worker_that_dies_mid_step_is_noticed_inside_the_step(llama_dir):
 
 def test_workers_stop_when_the_engine_is_collected(llama_dir):
     llm = LLM(str(llama_dir), device="cpu", tensor_parallel_size=TP)
-    workers = list(llm.engine.tp.workers)
+    workers = list(llm.engine.executor.tp.workers)
     assert all(w.is_alive() for w in workers)
     del llm
     gc.collect()

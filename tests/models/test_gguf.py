@@ -182,3 +182,18 @@ def test_transformers_5_directory_of_smollm2_chats_like_its_gguf(smollm2, smollm
     from_dir = LLM(model=str(tmp_path), dtype="float32", device="cpu").chat(msgs, params)
     from_gguf = LLM(model=str(smollm2), dtype="float32", device="cpu").chat(msgs, params)
     assert from_dir[0].outputs[0].token_ids == from_gguf[0].outputs[0].token_ids
+
+
+def test_a_gguf_draft_model_speculates_losslessly(llama_dir, tmp_path):
+    from specserve import LLM, SamplingParams, TokensPrompt
+    draft = make_hf_model("llama", tmp_path / "hf", seed=1, hidden_size=32, num_hidden_layers=1,
+                          intermediate_size=64, rope_parameters=DEFAULT_ROPE)
+    path = write_gguf(draft, tmp_path / "draft.gguf", "llama", "Q8_0")
+    prompts = [TokensPrompt(prompt_token_ids=[i + 1, 2 * i + 3, 5]) for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ref = LLM(str(llama_dir), device="cpu").generate(prompts, greedy, use_tqdm=False)
+    llm = LLM(str(llama_dir), device="cpu", speculative_config={
+        "model": str(path), "num_speculative_tokens": 3})
+    assert llm.engine.spec.method == "draft_model"
+    out = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]

@@ -1,0 +1,105 @@
+"""Chat prompts made offline, for training drafters on a chat model's own answers and for
+measuring them: instructions and questions over a topic list written here, questions the
+target writes itself about those topics (`question_requests`), and code tasks made from the
+functions and docstrings of the running interpreter's standard library. None come from a
+public benchmark set. A prompt is held out (never trained on) by a hash of its text, so the
+split is the same on every machine with the same Python version.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+
+from specserve.data.corpus import Corpus, read_text
+
+TOPICS = (
+    "the water cycle", "photosynthesis", "volcanoes", "black holes", "the moon's phases",
+    "plate tectonics", "climate and weather", "the human heart", "vaccines", "sleep",
+    "nutrition", "exercise", "honey bees", "coral reefs", "rainforests", "deserts", "glaciers",
+    "electricity", "magnets", "the speed of light", "gravity", "atoms", "chemical reactions",
+    "the periodic table", "DNA", "evolution", "dinosaurs", "the Roman Empire",
+    "ancient Egypt", "the printing press", "the industrial revolution", "the internet",
+    "smartphones", "batteries", "solar power", "wind turbines", "recycling", "composting",
+    "gardening", "baking bread", "making coffee", "tea", "chocolate", "cheese", "rice",
+    "cooking pasta", "knife safety in the kitchen", "budgeting", "saving money",
+    "compound interest", "taxes", "starting a small business", "job interviews",
+    "writing a resume", "public speaking", "time management", "learning a language",
+    "reading habits", "writing a short story", "poetry", "music theory", "learning guitar",
+    "painting with watercolors", "photography", "chess", "football", "running a marathon",
+    "swimming", "yoga", "meditation", "friendship", "teamwork", "giving feedback",
+    "remote work", "email etiquette", "traveling by train", "packing for a trip",
+    "camping", "hiking safety", "first aid", "pets", "training a dog", "cats", "birds",
+    "the ocean", "sharks", "whales", "elephants", "bridges", "skyscrapers", "airplanes",
+    "rockets", "the International Space Station", "Mars", "the solar system", "stars",
+    "telescopes", "microscopes", "computers", "binary numbers", "algorithms",
+    "sorting lists", "recursion", "databases", "spreadsheets", "passwords and security",
+    "encryption", "open source software", "version control with git", "the Python language",
+    "regular expressions", "unit testing", "debugging", "clean code", "prime numbers",
+    "fractions", "percentages", "probability", "geometry", "the Pythagorean theorem",
+    "statistics", "maps and navigation", "time zones", "calendars", "languages of the world",
+    "museums", "libraries", "democracy", "the scientific method", "critical thinking",
+    "habits", "motivation", "kindness", "happiness", "the history of writing",
+)
+
+TEMPLATES = (
+    "Explain {topic} in simple terms.",
+    "Give me three interesting facts about {topic}.",
+    "Write a short paragraph about {topic}.",
+    "What are the most common misconceptions about {topic}?",
+    "How would you explain {topic} to a ten-year-old?",
+    "Write a haiku about {topic}.",
+    "What should a beginner know about {topic}?",
+    "List five questions people often ask about {topic}, with short answers.",
+    "Summarize the key ideas of {topic} in a few bullet points.",
+    "Write a short, friendly email to a colleague about {topic}.",
+)
+
+# Asked of the target: its reply, stripped, is then a prompt of its own
+QUESTION_REQUEST = ("Write one question that a curious person might ask about {topic}. Reply "
+                    "with the question only.")
+
+
+def held_out(prompt: str, fraction_in_ten: int = 1) -> bool:
+    """Whether a prompt belongs to the held-out split (about fraction_in_ten / 10 of them)."""
+    return int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 10 < fraction_in_ten
+
+
+def templated_prompts() -> list[str]:
+    return [t.format(topic=topic) for topic in TOPICS for t in TEMPLATES]
+
+
+def question_requests() -> list[str]:
+    return [QUESTION_REQUEST.format(topic=topic) for topic in TOPICS]
+
+
+def code_tasks(limit: int | None = None) -> list[str]:
+    """'Write a Python function ...' from public standard-library functions with a one-line
+    summary docstring (their signature and summary; never their body)."""
+    out = []
+    for path in Corpus.stdlib().train_files:
+        try:
+            tree = ast.parse(read_text(path))
+        except (SyntaxError, ValueError):
+            continue
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            summary = doc.strip().split("\n")[0].strip() if doc else ""
+            if not 20 <= len(summary) <= 120 or not summary.endswith("."):
+                continue
+            args = ", ".join(a.arg for a in node.args.args)
+            out.append(f"Write a Python function `{node.name}({args})`. It should do this: "
+                       f"{summary}")
+            if limit is not None and len(out) >= limit:
+                return out
+    return out
+
+
+def chat_prompts(split: str, num_code: int = 600) -> list[str]:
+    """The templated prompts and code tasks of `split` ("train" or "heldout"), in a fixed order."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    everything = templated_prompts() + code_tasks(num_code)
+    return [p for p in everything if held_out(p) == (split == "heldout")]
