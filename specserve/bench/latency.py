@@ -28,7 +28,9 @@ from specserve.bench.probes import (
     weight_bytes,
 )
 from specserve.bench.runners import Result, SpecserveRunner, TransformersRunner
-from specserve.data.prompts import PROMPT_SETS
+from specserve.data.prompts import CHAT_SETS, PROMPT_SETS
+from specserve.models.catalogue import resolve_model
+from specserve.models.loader import load_tokenizer
 from specserve.token_tree import TokenTree
 
 
@@ -125,6 +127,10 @@ def main(argv: list[str]) -> None:
     bw = memory_bandwidth_gbs(dev)
     for set_name in a.prompt_sets.split(","):
         prompts = PROMPT_SETS[set_name](a.num_prompts)
+        if set_name in CHAT_SETS:
+            tok = load_tokenizer(resolve_model(a.target))
+            prompts = [tok.apply_chat_template([{"role": "user", "content": p}])
+                       for p in prompts]
         for batch in batches:
             # Fresh engines per suite so acceptance statistics belong to this suite only.
             runners = [Runner("specserve no-spec", a.target, None, dtype, device=dev)]

@@ -3,12 +3,15 @@
 - completion: the opening lines of a function or class; the model continues it freely.
 - editing: a code block followed by the start of the same block again, as in "rewrite this code"
   tasks whose answer repeats much of the prompt (where prompt lookup shines).
+- chat: the held-out chat prompts (`chat_prompts`), each a user message that the benchmark
+  renders with the target's chat template (CHAT_SETS).
 """
 
 from __future__ import annotations
 
 import re
 
+from specserve.data.chat_prompts import chat_prompts
 from specserve.data.corpus import Corpus, read_text
 
 _DEF = re.compile(r"^(    )?(def|class) \w+", re.M)
@@ -42,4 +45,10 @@ def editing_prompts(num: int = 8) -> list[str]:
     return out
 
 
-PROMPT_SETS = {"completion": completion_prompts, "editing": editing_prompts}
+def heldout_chat_prompts(num: int = 8) -> list[str]:
+    return chat_prompts("heldout")[:num]
+
+
+PROMPT_SETS = {"completion": completion_prompts, "editing": editing_prompts,
+               "chat": heldout_chat_prompts}
+CHAT_SETS = frozenset({"chat"})         # user messages: rendered with the chat template

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.engine import make_kv_cache
+from specserve.models.backend import make_kv_cache
 from specserve.engine.request import Request
 from specserve.engine.runner import ModelRunner
 from specserve.engine.scheduler import ScheduledRequest

@@ -9,7 +9,7 @@ import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.config import SpeculativeConfig
-from specserve.engine.engine import make_kv_cache
+from specserve.models.backend import make_kv_cache
 from specserve.methods import resolve_speculative_config
 from specserve.methods.base import Proposal, ProposerBase
 from specserve.models.cpu_backend import use_decode_linears
