@@ -227,7 +227,7 @@ def _latency_run() -> dict:
     return {"benchmark": "latency", "title": "t", "command": "specserve bench latency x",
             # whatever this CPU is, the run is named as the AVX-512 CPU's
             "machine": machine() | {"isa": "avx512"},
-            "settings": {"target": "T", "draft": "D", "dtypes": ["float32"],
+            "settings": {"target": "models/code-target", "draft": "D", "dtypes": ["float32"],
                          "temperature": 0.0, "num_prompts": 2,
                          "max_tokens": 3, "rounds": 2, "speculative_config_extra": None,
                          "configs": {}},
@@ -272,19 +272,21 @@ def test_gpu_and_built_target_runs_publish_beside_the_cpu_run(tmp_path, monkeypa
     monkeypatch.setattr(report, "LATEST", tmp_path / "latest")
     monkeypatch.setattr(report, "HISTORY", tmp_path / "HISTORY.md")
     data = _latency_run()
-    for device, target in (("cpu", "T"), ("cuda:0", "T"), ("cpu", "random:llama-3.2-1b"),
+    zoo = "models/code-target"
+    for device, target in (("cpu", zoo), ("cuda:0", zoo), ("cpu", "random:llama-3.2-1b"),
                            ("cpu", "random:hidden=64,layers=2,inter=128,heads=4,kv=2"),
-                           ("cpu", "padded:models/code-target,inter=32768")):
+                           ("cpu", "padded:models/code-target,inter=32768"),
+                           ("cpu", "smollm2-135m-instruct")):
         data["settings"] |= {"device": device, "target": target}
         report.publish_run(data)
     data["machine"]["isa"] = "avx2"                 # a CPU without AVX-512: beside it too
-    data["settings"] |= {"device": "cpu", "target": "T"}
+    data["settings"] |= {"device": "cpu", "target": zoo}
     report.publish_run(data)
     assert sorted(p.stem for p in (tmp_path / "latest").glob("*.json")) == [
         "latency", "latency-avx2", "latency-cuda",
         "latency-hidden-64-layers-2-inter-128-heads-4-kv-2", "latency-llama-3-2-1b",
-        "latency-padded-code-target-inter-32768"]
-    assert len((tmp_path / "HISTORY.md").read_text().splitlines()) == 6
+        "latency-padded-code-target-inter-32768", "latency-smollm2-135m-instruct"]
+    assert len((tmp_path / "HISTORY.md").read_text().splitlines()) == 7
 
 
 def test_specserve_runner_times_each_request_after_its_first_token(llama_dir):

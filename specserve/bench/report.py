@@ -38,14 +38,15 @@ def save(data: dict, out: str | Path, publish: bool = False) -> dict[str, str]:
 
 
 def publish_run(data: dict) -> str:
-    """Write a run to benchmarks/latest/ (one name per benchmark, device type and built
-    target: a GPU run or one on `random:llama-3.2-1b` or `padded:...` does not replace the CPU
-    run on the zoo) and add its line to HISTORY.md; returns the JSON's path."""
+    """Write a run to benchmarks/latest/ (one name per benchmark, device type and target other
+    than the toy zoo's: a GPU run, one on `random:llama-3.2-1b`, `padded:...` or
+    `smollm2-135m-instruct` does not replace the CPU run on the zoo) and add its line to
+    HISTORY.md; returns the JSON's path."""
     s = data["settings"]
     device = torch.device(s.get("device", "cpu")).type
     name = data["benchmark"] + published_suffix(data["machine"], device)
     target = s.get("target", "")
-    if target.startswith(("random:", "padded:")):
+    if target and not target.startswith("models/"):
         built = target.removeprefix("random:").replace("models/", "")
         name += "-" + re.sub(r"[^A-Za-z0-9]+", "-", built).strip("-")
     path = _write(data, LATEST, name)["json"]
