@@ -1,0 +1,34 @@
+"""specserve train chat-data: a chat model's answers and hidden states, batch by batch, and a
+run that resumes without redoing a finished batch; its files train a head."""
+
+from __future__ import annotations
+
+import json
+
+from specserve.cli import main
+from specserve.train.chat_data import ChatDataConfig, generate_chat_data
+from specserve.train.heads import read_hidden_states
+
+
+def test_answers_and_states_are_written_and_a_rerun_resumes(text_model_dir, tmp_path, capsys):
+    out = tmp_path / "data"
+    cfg = ChatDataConfig(num_prompts=3, answer_batch_size=4, answer_max_tokens=6)
+    summary = generate_chat_data(str(text_model_dir), out, cfg)
+    assert summary["conversations"] == 6 == summary["hidden_state_files"]  # 3 prompts x 2 temps
+    batches = sorted((out / "states").iterdir())
+    assert [b.name for b in batches] == ["batch-00000", "batch-00001"]
+    answers = [json.loads(line) for b in batches
+               for line in (b / "answers.jsonl").read_text().splitlines()]
+    assert sorted({a["temperature"] for a in answers}) == [0.0, 0.7]
+    states, layers = read_hidden_states(out / "states")
+    assert len(states) == 6 and len(layers) == 3
+    for s in states:     # one state per position but the last token: the one it predicts
+        assert s["aux_hidden"].shape[0] == s["hidden"].shape[0] == len(s["token_ids"]) - 1
+    # a finished batch is not redone; a stopped one (no DONE) is
+    (batches[1] / "DONE").unlink()
+    stamp = (batches[0] / "answers.jsonl").stat().st_mtime_ns
+    main(["train", "chat-data", "--target", str(text_model_dir), "--out", str(out),
+          "--num-prompts", "3", "--answer-batch-size", "4", "--answer-max-tokens", "6"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+    assert (batches[0] / "answers.jsonl").stat().st_mtime_ns == stamp
+    assert (batches[1] / "DONE").is_file()
