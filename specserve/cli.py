@@ -13,7 +13,12 @@ import sys
 import time
 from pathlib import Path
 
-from specserve.config import ModelConfig, SchedulerConfig, ServerConfig, load_json_or_yaml_arg
+from specserve.config import (
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    load_json_or_yaml_arg,
+)
 from specserve.methods import head_methods
 from specserve.methods.dflash import DEFAULT_BLOCK_SIZE as DFLASH_BLOCK_SIZE
 from specserve.methods.dflash import DEFAULT_NUM_LAYERS as DFLASH_NUM_LAYERS

@@ -11,8 +11,8 @@ from specserve.config import EngineConfig, ModelConfig, SchedulerConfig
 from specserve.engine.engine import LLMEngine
 from specserve.inputs import PromptType
 from specserve.methods import resolve_speculative_config
-from specserve.models.catalogue import resolve_model
 from specserve.metrics import Metric
+from specserve.models.catalogue import resolve_model
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 

@@ -13,11 +13,17 @@ import torch
 
 from specserve.config import EngineConfig, resolve_device, resolve_dtype
 from specserve.engine.adaptive_k import AdaptiveK
+from specserve.engine.executor import make_executor
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
-from specserve.engine.executor import make_executor
-from specserve.methods import DraftContext, Proposal, ProposeBatch, Proposer, build_proposer
+from specserve.methods import (
+    DraftContext,
+    Proposal,
+    ProposeBatch,
+    Proposer,
+    build_proposer,
+)
 from specserve.metrics import SpecDecodingStats
 from specserve.models.backend import Backend
 from specserve.models.catalogue import resolve_model

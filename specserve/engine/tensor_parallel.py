@@ -56,7 +56,12 @@ from specserve.models.layers import AttentionMetadata, model_tensor
 from specserve.models.llama import DecoderLayer, LlamaArgs
 from specserve.models.loader import load_model
 from specserve.models.metadata import metadata_dict, metadata_from_dict, step_inputs
-from specserve.models.tensor_parallel import check_divisible, gloo_all_reduce, shard, shard_layer
+from specserve.models.tensor_parallel import (
+    check_divisible,
+    gloo_all_reduce,
+    shard,
+    shard_layer,
+)
 
 # Loading a large checkpoint on every rank can take minutes; a step never should.
 STARTUP_TIMEOUT_S = 600

@@ -31,7 +31,12 @@ from specserve.methods.checkpoints import (
     write_head,
 )
 from specserve.methods.head_proposer import HeadProposer
-from specserve.methods.parallel import depth_weights, first_unused, mask_token_id, pard_mask
+from specserve.methods.parallel import (
+    depth_weights,
+    first_unused,
+    mask_token_id,
+    pard_mask,
+)
 from specserve.models.heads import ChainParts, StatefulHead
 from specserve.models.layers import RMSNorm
 from specserve.models.llama import DecoderLayer, LlamaArgs

@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import SpeculativeConfig
-from specserve.methods.base import DraftContext, MethodSpec, Proposal, ProposeBatch, ProposerBase
+from specserve.methods.base import (
+    DraftContext,
+    MethodSpec,
+    Proposal,
+    ProposeBatch,
+    ProposerBase,
+)
 from specserve.methods.checkpoints import assign_weights, check_target, write_head
 from specserve.methods.heads_common import last_hidden_rows
 from specserve.models.loader import load_hf_config, read_state_dict

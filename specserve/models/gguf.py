@@ -81,8 +81,9 @@ def gguf_path(model: str | Path) -> Path | None:
     if p.is_dir() and not (p / "config.json").is_file():
         files = sorted(p.glob("*.gguf"))
         if len(files) > 1:
-            raise ValueError(f"{p} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}); "
-                             "pass the path of the one to load")
+            names = ", ".join(f.name for f in files)
+            raise ValueError(f"{p} holds {len(files)} GGUF files ({names}); pass the path of "
+                             "the one to load")
         if files:
             return files[0]
     return None
@@ -187,12 +188,13 @@ class GGUFModel:
             try:
                 values = dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
+                version = importlib.metadata.version("gguf")
                 raise ValueError(f"{self.path}: tensor {t.name} is of type {t.tensor_type.name}, "
-                                 f"which gguf {importlib.metadata.version('gguf')} cannot dequantize ({e})") from e
+                                 f"which gguf {version} cannot dequantize ({e})") from e
             tensor = torch.from_numpy(np.array(values, dtype=np.float32))     # a writable copy
             if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
                 cfg = self.hf_config
-                heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+                heads = cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
                 tensor = unpermute_qk(tensor, heads)
             yield name, tensor.to(dtype)
 
@@ -226,7 +228,7 @@ def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's bytes -> printable characters (the alphabet byte-level vocabularies are spelled in)."""
+    """GPT-2's bytes -> printable characters (the alphabet of byte-level vocabularies)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
                  *range(ord("®"), ord("ÿ") + 1)]
     chars = list(printable)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from specserve.models.backend import make_kv_cache
 from specserve.engine.request import Request
 from specserve.engine.runner import ModelRunner
 from specserve.engine.scheduler import ScheduledRequest
+from specserve.models.backend import make_kv_cache
 from specserve.models.loader import load_model
 from specserve.sampling_params import SamplingParams
 

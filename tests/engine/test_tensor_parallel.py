@@ -20,7 +20,12 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
-from specserve.engine.tensor_parallel import LeadLayer, ShardedModel, WorkerDied, _free_port
+from specserve.engine.tensor_parallel import (
+    LeadLayer,
+    ShardedModel,
+    WorkerDied,
+    _free_port,
+)
 from specserve.kernels.cpu import (
     SharedMemoryAllReduce,
     SharedMemoryChannel,
@@ -142,7 +147,12 @@ def test_a_sharded_head_drafts_what_the_whole_head_drafts(kind, llama_dir, tmp_p
     """draft_tensor_parallel_size = 2: every rank holds half of the head's attention and MLP
     and runs each of its steps (chains, trees, P-EAGLE's one pass, MTP's layers in turn; in the
     kernel, and over gloo without it); the drafts are the whole head's on one rank."""
-    from tests.methods.test_heads import eagle3_ckpt, eagle_ckpt, mtp_target, record_drafts
+    from tests.methods.test_heads import (
+        eagle3_ckpt,
+        eagle_ckpt,
+        mtp_target,
+        record_drafts,
+    )
     from tests.methods.test_peagle import make_peagle
     target, kw = llama_dir, {"device": "cpu"}
     spec = {"num_speculative_tokens": 3}

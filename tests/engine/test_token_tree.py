@@ -9,9 +9,9 @@ import torch
 
 from specserve import LLM, SamplingParams, TokensPrompt
 from specserve.config import SpeculativeConfig
-from specserve.models.backend import make_kv_cache
 from specserve.methods import resolve_speculative_config
 from specserve.methods.base import Proposal, ProposerBase
+from specserve.models.backend import make_kv_cache
 from specserve.models.cpu_backend import use_decode_linears
 from specserve.models.loader import load_model
 from specserve.models.metadata import build_metadata, build_tree_metadata, tree_rows

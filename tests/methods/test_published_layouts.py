@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specserve import LLM
-from specserve.methods import eagle3, medusa, mlp_speculator, mtp, resolve_speculative_config
+from specserve.methods import (
+    eagle3,
+    medusa,
+    mlp_speculator,
+    mtp,
+    resolve_speculative_config,
+)
 from specserve.models.loader import load_model
 from tests.conftest import DEVICE, make_hf_model
 from tests.methods.test_heads import (
@@ -186,7 +192,8 @@ def test_speculators_k_is_the_default(tmp_path, llama_dir):
 def test_faster_decoding_medusa_keys_load_as_written(tmp_path, llama_dir):
     """medusa_lm_head.pt's keys ({i}.{j}.linear.*, {i}.{L}.weight), saved as safetensors."""
     src = medusa_ckpt(tmp_path / "prefixed", faster_decoding=True)
-    t = {k.removeprefix("medusa_head."): v for k, v in load_file(str(src / "model.safetensors")).items()}
+    t = {k.removeprefix("medusa_head."): v
+         for k, v in load_file(str(src / "model.safetensors")).items()}
     d = write(tmp_path / "medusa_lm_head", {"medusa_num_heads": 4, "medusa_num_layers": 1}, t)
     target = load_model(llama_dir, torch.float32, CPU)
     heads = medusa.read(d, target)
@@ -214,7 +221,8 @@ def test_ibm_speculator_prefix_loads(tmp_path, llama_dir):
 # --- MTP as MiMo and Qwen3-Next lay it out ----------------------------------------------------
 
 def _mtp_parts(g) -> dict:
-    return {"e": _norm(H, g), "h": _norm(H, g), "proj": _rand(H, 2 * H, gen=g), "final": _norm(H, g)}
+    return {"e": _norm(H, g), "h": _norm(H, g), "proj": _rand(H, 2 * H, gen=g),
+            "final": _norm(H, g)}
 
 
 def mimo_target(d: Path) -> tuple[Path, dict]:
@@ -252,7 +260,8 @@ def test_mimo_mtp_computes_what_mimo_does(tmp_path):
         emb = target.embed_tokens.weight[tokens]
         # MiMo: input_proj over [hidden_layernorm(h); token_layernorm(embedding)]
         x = torch.cat([rms(h, t[p + "hidden_layernorm.weight"]),
-                       rms(emb, t[p + "token_layernorm.weight"])], -1) @ t[p + "input_proj.weight"].T
+                       rms(emb, t[p + "token_layernorm.weight"])], -1)
+        x = x @ t[p + "input_proj.weight"].T
         ref = ref_layer(t, p, rms(x, t[p + "input_layernorm.weight"]), x, pos, bias=True)
         ref_logits = rms(ref, t[p + "final_layernorm.weight"]) @ target.lm_head.weight.T
     assert (logits - ref_logits).abs().max() < 1e-4
@@ -295,7 +304,8 @@ def test_qwen3_next_mtp_layout_loads_on_a_qwen3_target(tmp_path):
     assert torch.equal(layer.enorm.weight, t["mtp.pre_fc_norm_embedding.weight"])
     assert torch.equal(layer.hnorm.weight, t["mtp.pre_fc_norm_hidden.weight"])
     assert torch.equal(layer.shared_head_norm.weight, t["mtp.norm.weight"])
-    assert torch.equal(layer.block.self_attn.q_norm.weight, t["mtp.layers.0.self_attn.q_norm.weight"])
+    assert torch.equal(layer.block.self_attn.q_norm.weight,
+                       t["mtp.layers.0.self_attn.q_norm.weight"])
     assert resolve_speculative_config({"method": "mtp"}, str(d)).num_speculative_tokens == 1
     d2, _ = qwen3_next_mtp(tmp_path / "q3-two", layers=2)
     with pytest.raises(ValueError, match="mtp_num_hidden_layers=2: a Qwen3-Next MTP module"):
