@@ -401,6 +401,9 @@ MANIFEST_STAGES = {
     "code-target-medusa": "medusa head: HEAD_RECIPES, retarget",
     "code-target-mlp-speculator": "mlp_speculator head: HEAD_RECIPES, retarget",
     "code-target-mtp": "mtp layer: HEAD_RECIPES, retarget (weight shards link to code-target)",
+    "smollm2-135m-instruct-eagle3": "eagle3 head for SmolLM2-135M-Instruct: specserve train "
+                                    "chat-data, then train eagle3 --hidden-states "
+                                    "(benchmarks/README.md)",
 }
 
 
