@@ -84,3 +84,24 @@ def write_gguf(model: torch.nn.Module, path: Path, arch: str, qtype: str = "F32"
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_sentencepiece_gguf(path: Path) -> Path:
+    """A tokenizer-only GGUF with a SentencePiece BPE vocabulary as llama.cpp stores Llama 2's:
+    tokens, scores (no merges), byte tokens <0xNN>, control <s> </s>, unknown <unk>."""
+    w = GGUFWriter(str(path), "llama")
+    pieces = ["▁", "t", "h", "e", "a", "c", "s", "o", "n", "▁t", "he", "▁the", "at", "▁c",
+              "▁cat", "▁s", "on", "▁on", "▁a", "er", "▁h", "▁he", "ll", "o▁"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

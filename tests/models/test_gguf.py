@@ -15,7 +15,12 @@ from gguf.quants import dequantize, quantize
 from specserve.models.gguf import gguf_path, open_gguf
 from specserve.models.loader import load_model, load_tokenizer
 from tests.conftest import make_hf_model
-from tests.models.gguf_writer import RAW_ONLY, random_blocks, write_gguf
+from tests.models.gguf_writer import (
+    RAW_ONLY,
+    random_blocks,
+    write_gguf,
+    write_sentencepiece_gguf,
+)
 
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", *RAW_ONLY]
@@ -96,6 +101,20 @@ def test_unsupported_architecture_and_tensor_are_named(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="GGUF tensor 'blk.0.ssm_conv1d.weight' is not supported"):
         list(open_gguf(bad / "m.gguf").tensors(torch.float32))
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path):
+    """Merges recovered from the scores, byte fallback, BOS added (llama.cpp's default for
+    SentencePiece vocabularies)."""
+    from transformers import AutoTokenizer
+    path = write_sentencepiece_gguf(tmp_path / "sp.gguf")
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    tok = load_tokenizer(path)
+    for text in ("the cat", "the cat sat on the hat", "héllo 🙂", "a\nb  c"):
+        assert tok.encode(text) == ref.encode(text), text
+        assert tok.decode(tok.encode(text)) == text
+    # a leading space: llama.cpp (and specserve) keep it, as "▁▁"; transformers drops it
+    assert tok.decode(tok.encode(" the")) == " the"
 
 
 # --- SmolLM2-135M-Instruct, pulled once into the cache -------------------------------------
