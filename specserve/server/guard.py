@@ -115,10 +115,15 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float) -> dict:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s") from None
     body = b"".join(chunks)
     try:
-        data = json.loads(body, parse_constant=_reject_constant)
+        # strict UTF-8 first: json.loads(bytes) decodes with surrogatepass, which lets raw
+        # surrogate bytes (\xed\xa0\x80) through as lone surrogates
+        data = json.loads(body.decode("utf-8-sig"), parse_constant=_reject_constant)
     except RecursionError:
         raise APIError(400, "the body's JSON is nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as e:       # JSONDecodeError is a ValueError
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the body is not valid UTF-8 ({e.reason} at byte {e.start}); "
+                       "send JSON as UTF-8 text") from None
+    except ValueError as e:       # JSONDecodeError is a ValueError
         raise APIError(400, f"the body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object")

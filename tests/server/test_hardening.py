@@ -96,6 +96,21 @@ def test_bad_bodies_are_400s(client, body, status, message):
     assert r.status_code == status and message in r.json()["error"]["message"], r.text[:300]
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", b'{"prompt": "%s", "max_tokens": 4}'),
+    ("/v1/completions", b'{"prompt": ["ok", "%s"], "max_tokens": 4}'),
+    ("/v1/completions", b'{"prompt": "%s", "max_tokens": 4, "stream": true}'),
+    ("/v1/completions", b'{"prompt": "x", "model": "%s"}'),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["%s"]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "%s"}]}'),
+    ("/v1/chat/completions", b'{"messages": [{"role": "%s", "content": "hi"}]}'),
+])
+def test_raw_surrogate_bytes_in_any_string_are_400s(client, path, body):
+    """UTF-8 bytes of a lone surrogate (not an escape): not UTF-8, so a 400, never a 500."""
+    r = _post(client, path, body.replace(b"%s", b"\xed\xa0\x80"))
+    assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]["message"], r.text
+
+
 def test_lone_surrogates_in_chat_are_400s(client):
     for body in (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
                  b'{"messages": [{"role": "user", "content": [{"type": "text", '
