@@ -280,6 +280,10 @@ def readme_table(data: dict) -> str:
         return {r["name"]: r for r in suites.get(f"{prompts}, batch {batch}", [])}
     c1, e1, c8, e8 = get("completion", 1), get("editing", 1), get("completion", 8), \
         get("editing", 8)
+    if BASE not in c1 or BASE not in e1:
+        raise ValueError("the README's method table needs a latency run with no-spec in its "
+                         "completion and editing suites at batch 1; this run has: "
+                         f"{', '.join(suites)} (its Markdown has the tables of any run)")
 
     def speedup(s: dict[str, dict], name: str) -> str:
         return (f"{s[name]['median_tokens_per_s'] / s[BASE]['median_tokens_per_s']:.2f}x"
