@@ -2,15 +2,16 @@
 worker processes (`python -m specserve.engine.worker`, started with subprocess: nothing of the
 caller's script runs in them, so a script without a main guard, a REPL, a notebook or
 `python -c` work alike) that load their shard of the target (`models/tensor_parallel.py`) and
-run every target step the engine runs. All ranks join one gloo process group over a TCPStore
-at MASTER_ADDR:MASTER_PORT (torchrun's variables; by default 127.0.0.1 and a free port). Each step the engine sends the step's plain description (token
-ids, positions, slots: JSON) to the workers, then every rank runs its shard; the all-reduces
-inside the layers keep them in lockstep. The scheduler, sampler, verifier and proposers stay on
-rank 0. A drafter of draft_tensor_parallel_size > 1 is sharded too: a draft model like the
-target (`add`), a head's decoder layers alone (`shard_head`: the rest of the head stays on
-rank 0, which sends each layer step its inputs). With the CPU kernel, the steps and the
-layers' all-reduces go through memory the ranks share (files in /dev/shm that rank 0 makes
-and removes once every worker has mapped them), not gloo's round trips over TCP, two per layer.
+run every target step the engine runs. All ranks join one gloo process group over a TCPStore at
+MASTER_ADDR:MASTER_PORT (torchrun's variables; by default 127.0.0.1 and a free port). Each step
+the engine sends the step's plain description (token ids, positions, slots: JSON) to the
+workers, then every rank runs its shard; the all-reduces inside the layers keep them in
+lockstep. The scheduler, sampler, verifier and proposers stay on rank 0. A drafter of
+draft_tensor_parallel_size > 1 is sharded too: a draft model like the target (`add`), a head's
+decoder layers alone (`shard_head`: the rest of the head stays on rank 0, which sends each
+layer step its inputs). With the CPU kernel, the steps and the layers' all-reduces go through
+memory the ranks share (files in /dev/shm that rank 0 makes and removes once every worker has
+mapped them), not gloo's round trips over TCP, two per layer.
 
 Under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set: one process per rank, on one
 machine or several) no process is spawned: every rank runs the same script, rank 0 goes on as

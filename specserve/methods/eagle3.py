@@ -160,7 +160,7 @@ class Eagle3Variant:
 _VARIANT_FLAGS = tuple(f.name for f in dataclasses.fields(Eagle3Variant))
 # true flags of published EAGLE-3 configs that change nothing specserve computes
 _HARMLESS_FLAGS = frozenset({"has_no_defaults_at_init", "embed_requires_grad", "use_cache",
-                             "return_dict", "tie_word_embeddings", "_name_or_path"})
+                             "return_dict", "tie_word_embeddings"})
 
 
 PEAGLE_HINT = ("train one with `specserve train eagle3 --parallel --target DIR --out DIR` (from "

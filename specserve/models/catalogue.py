@@ -114,12 +114,16 @@ def names() -> list[str]:
     return [n for t in CATALOGUE for n in (t, *bundled_drafters(t))]
 
 
+def _drafter_of(ref: str) -> str | None:
+    """The catalogue target a `<target>-<method>` name is a drafter of, else None."""
+    return next((t for t in CATALOGUE if ref.startswith(t + "-")), None)
+
+
 def is_reference(ref: str) -> bool:
     """Whether `ref` names a model by catalogue name or Hub id rather than a local path."""
     if Path(ref).exists():
         return False
-    return (ref in CATALOGUE or any(ref.startswith(t + "-") for t in CATALOGUE)
-            or bool(_HUB_ID.match(ref)))
+    return ref in CATALOGUE or _drafter_of(ref) is not None or bool(_HUB_ID.match(ref))
 
 
 def resolve_model(ref: str) -> str:
@@ -130,8 +134,7 @@ def resolve_model(ref: str) -> str:
         return ref
     if ref in CATALOGUE:
         return str(pull(ref))
-    stem = next((t for t in CATALOGUE if ref.startswith(t + "-")), None)
-    if stem is not None:
+    if (stem := _drafter_of(ref)) is not None:
         if (BUNDLED / ref / "config.json").is_file():
             return str(BUNDLED / ref)
         raise ValueError(f"no drafter {ref!r} is bundled for {stem}; bundled: "

@@ -221,26 +221,6 @@ def unpermute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's permutation of a Hugging Face Q or K weight (the inverse of unpermute_qk)."""
-    rows = w.shape[0]
-    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's bytes -> printable characters (the alphabet of byte-level vocabularies)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, map(chr, chars)))
-
-
 def gguf_tokenizer(g: GGUFModel) -> tuple[HFTokenizer, dict]:
     kind = g.meta("tokenizer.ggml.model")
     tokens: list[str] = g.meta("tokenizer.ggml.tokens") or []
@@ -255,7 +235,9 @@ def gguf_tokenizer(g: GGUFModel) -> tuple[HFTokenizer, dict]:
     else:
         raise ValueError(f"{g.path}: GGUF tokenizer model {kind!r} is not supported; supported: "
                          "gpt2 (byte-level BPE), llama (SentencePiece BPE)")
-    alphabet = set(_byte_alphabet().values()) if kind == "gpt2" else None
+    # a control token of a byte-level vocabulary spelled outside its byte alphabet is a
+    # llama.cpp mislabel: adding it would grow the vocabulary past the model's
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if kind == "gpt2" else None
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types)
                             if ty == _CONTROL and (alphabet is None or set(t) <= alphabet)])
@@ -275,14 +257,17 @@ def gguf_tokenizer(g: GGUFModel) -> tuple[HFTokenizer, dict]:
     return tok, config
 
 
+def _merges(g: GGUFModel) -> list[tuple[str, str]]:
+    return [tuple(m.split(" ", 1)) for m in g.meta("tokenizer.ggml.merges") or []]
+
+
 def _byte_level_bpe(g: GGUFModel, tokens: list[str]) -> HFTokenizer:
     pre = g.meta("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"{g.path}: GGUF pre-tokenizer {pre!r} is not supported; supported: "
                          f"{', '.join(PRE_TOKENIZERS)}")
-    merges = [tuple(m.split(" ", 1)) for m in g.meta("tokenizer.ggml.merges") or []]
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    tok = HFTokenizer(models.BPE(vocab, _merges(g), fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in PRE_TOKENIZERS[pre]]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -294,9 +279,8 @@ def _sentencepiece_bpe(g: GGUFModel, tokens: list[str]) -> HFTokenizer:
     """A SentencePiece BPE vocabulary (Llama 2, Mistral): merges from the file, or recovered
     from the scores (a pair merges into a token ranked by that token's score)."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    if g.meta("tokenizer.ggml.merges"):
-        merges = [tuple(m.split(" ", 1)) for m in g.meta("tokenizer.ggml.merges")]
-    else:
+    merges = _merges(g)
+    if not merges:
         scores = g.meta("tokenizer.ggml.scores") or [0.0] * len(tokens)
         ranked = []
         for t, i in vocab.items():

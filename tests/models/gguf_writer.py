@@ -10,12 +10,19 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from specserve.models.gguf import _GLOBAL_TENSORS, _LAYER_TENSORS, permute_qk
+from specserve.models.gguf import _GLOBAL_TENSORS, _LAYER_TENSORS
 
 _TO_GGUF = {v: k for k, v in _GLOBAL_TENSORS.items()}
 _LAYER_TO_GGUF = {v: k for k, v in _LAYER_TENSORS.items()}
 # gguf's Python package dequantizes these but cannot quantize them: tests write random blocks
 RAW_ONLY = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def permute_qk(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's permutation of a Hugging Face Q or K weight (what gguf.unpermute_qk
+    undoes): within each head its rows go from (half, d/2) to (d/2, half)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def gguf_name(hf_name: str) -> str:
