@@ -98,6 +98,13 @@ class SchedulerConfig:
     max_num_seqs: int = field(default=16, metadata={"help": "most requests running at once"})
     max_num_batched_tokens: int = field(
         default=512, metadata={"help": "token budget of one engine step (prompt chunks + decode)"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV of prompt prefixes seen before (a system prompt, a document, the "
+                "chat history), the target's and the drafters', matched by content in blocks "
+                "of 16 tokens"})
+    prefix_caching_max_tokens: int = field(default=8192, metadata={
+        "help": "prefix caching: tokens of KV kept for reuse beside the running requests' (in "
+                "each cache: the target's and the drafters'), least recently used evicted first"})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -106,6 +113,10 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so that every running request can decode each step")
+        if self.prefix_caching_max_tokens < 1:
+            raise ValueError("prefix_caching_max_tokens must be >= 1, got "
+                             f"{self.prefix_caching_max_tokens} (turn prefix caching off with "
+                             "enable_prefix_caching=False)")
 
 
 def field_help(cls: type) -> dict[str, tuple[Any, str]]:

@@ -105,3 +105,7 @@ class LLM:
         """The same counters as a dict, with the derived rates (mean acceptance length,
         acceptance rate) and the proposer's own counters."""
         return self.engine.get_stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (vLLM's `LLM.reset_prefix_cache`)."""
+        self.engine.reset_prefix_cache()

@@ -171,6 +171,16 @@ class _EngineCollector:
         for pos, value in enumerate(s.num_accepted_tokens_per_pos):
             c.add_metric([m, str(pos)], value)
         yield c
+        pc = eng.prefix_cache
+        if pc is not None:
+            for name, value, doc in (
+                    ("prefix_cache_queries", pc.queries, "Prompt tokens looked up in the prefix "
+                                                         "cache"),
+                    ("prefix_cache_hits", pc.hits, "Prompt tokens whose KV the prefix cache "
+                                                   "gave")):
+                c = CounterMetricFamily(p + name, doc, labels=["model_name"])
+                c.add_metric([m], value)
+                yield c
         for name, value in (("num_requests_running", len(eng.scheduler.running)),
                             ("num_requests_waiting", len(eng.scheduler.waiting))):
             g = GaugeMetricFamily(p + name, name.replace("_", " "), labels=["model_name"])

@@ -32,3 +32,4 @@ class RequestOutput:
     spec_metrics: SpecDecodingStats | None = None     # this request's speculation summary
     metrics: dict[str, float] = field(default_factory=dict)   # arrival/first token/finish times
     error: str | None = None      # set when the engine aborted this request alone (its fault)
+    num_cached_tokens: int = 0    # prompt tokens whose KV came from the prefix cache

@@ -52,6 +52,7 @@ def _sync(device: torch.device) -> None:
 
 def greedy_seconds(llm: LLM, n: int) -> float:
     """Wall time of one batch-1 greedy request of `n` new tokens after a 64-token prompt."""
+    llm.reset_prefix_cache()                  # the prompt is computed every time
     t = time.perf_counter()
     llm.generate(TokensPrompt(prompt_token_ids=list(range(10, 74))),
                  SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
@@ -65,6 +66,7 @@ def prompt_ms(llm, n: int, repeats: int = 5) -> float:
     prompt = TokensPrompt(prompt_token_ids=[10 + i % 64 for i in range(n)])
     times = []
     for _ in range(repeats + 1):                          # the first run warms up
+        llm.reset_prefix_cache()
         t = time.perf_counter()
         llm.generate(prompt, params, use_tqdm=False)
         times.append(time.perf_counter() - t)

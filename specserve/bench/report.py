@@ -202,7 +202,30 @@ def _tree_markdown(data: dict) -> list[str]:
               for r in data["rows"]), ""]
 
 
-_MARKDOWN = {"latency": _latency_markdown, "serve": _serve_markdown, "tree": _tree_markdown}
+def _prefix_markdown(data: dict) -> list[str]:
+    s = data["settings"]
+    lines = [f"- {s['target']}, {s['dtype']}, speculative_config "
+             f"`{json.dumps(s['speculative_config'])}`; requests sent one at a time, greedy, "
+             f"{s['max_tokens']} tokens each; median of {s['rounds']} interleaved rounds, each "
+             "starting with an empty prefix cache", ""]
+    for name, w in data["workloads"].items():
+        ratio = w["later_over_first_on"]
+        lines += [f"### {name}: hit rate {w['hit_rate']:.0%}, later requests' TTFT "
+                  f"{'' if ratio is None else f'{ratio:.3f}x '}the first's with caching, "
+                  f"outputs {'equal' if w['outputs_equal'] else 'DIFFERENT'} with it off", "",
+                  "| request | prompt tokens | cached | TTFT off (ms) | TTFT on (ms) | on/off |",
+                  "|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {i + 1} | {r['prompt_tokens']} | {r['cached_tokens']} | "
+                  f"{median_cell(r['ttft_ms_off'], r['ttft_ms_off_rounds'])} | "
+                  f"{median_cell(r['ttft_ms_on'], r['ttft_ms_on_rounds'])} | "
+                  f"{r['ttft_ms_on'] / r['ttft_ms_off']:.3f} |"
+                  for i, r in enumerate(w["requests"])]
+        lines.append("")
+    return lines
+
+
+_MARKDOWN = {"latency": _latency_markdown, "serve": _serve_markdown, "tree": _tree_markdown,
+             "prefix": _prefix_markdown}
 
 
 def markdown(data: dict) -> str:
@@ -212,7 +235,7 @@ def markdown(data: dict) -> str:
 def plot(data: dict, path: Path) -> bool:
     """The run's PNG (latency: tokens/s per suite; serve: throughput and TPOT by concurrency);
     False for a benchmark without one."""
-    if data["benchmark"] not in ("latency", "serve"):
+    if data["benchmark"] not in ("latency", "serve", "prefix"):
         return False
     import matplotlib
     matplotlib.use("Agg")
@@ -224,6 +247,15 @@ def plot(data: dict, path: Path) -> bool:
             ax.barh([r["name"] for r in results], [r["median_tokens_per_s"] for r in results])
             ax.set(title=title, xlabel="tokens/s (median)")
             ax.invert_yaxis()
+    elif data["benchmark"] == "prefix":
+        ws = data["workloads"]
+        fig, axes = plt.subplots(1, len(ws), figsize=(5 * len(ws), 4), squeeze=False)
+        for ax, (name, w) in zip(axes[0], ws.items()):
+            n = range(1, len(w["requests"]) + 1)
+            for key, label in (("ttft_ms_off", "caching off"), ("ttft_ms_on", "caching on")):
+                ax.plot(n, [r[key] for r in w["requests"]], "o-", label=label)
+            ax.set(title=name, xlabel="request", ylabel="time to first token (ms)")
+            ax.legend(fontsize=8)
     else:
         rows = data["rows"]
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -261,6 +293,10 @@ def _best(data: dict) -> dict[str, tuple[str, float]]:
                 r["concurrency"]]
             if r["config"] != "no-spec" and (key not in best or v > best[key][1]):
                 best[key] = (r["config"], v)
+    elif data["benchmark"] == "prefix":
+        for name, w in data["workloads"].items():
+            if w["later_over_first_on"]:
+                best[name] = ("later TTFT / first, caching on", w["later_over_first_on"])
     return best
 
 

@@ -84,9 +84,10 @@ class SpecserveRunner:
 
     def new_round(self) -> None:
         """Forget what earlier rounds taught the drafter (suffix's past responses: the same
-        prompts come again)."""
+        prompts come again) and the prompts' cached prefixes."""
         self.tpots.clear()
         self.llm.engine.reset_proposer()
+        self.llm.reset_prefix_cache()
 
     def acceptance(self) -> tuple[float, float, list[float], float] | None:
         if self.spec is None:

@@ -14,6 +14,7 @@ import torch
 from specserve.config import EngineConfig, resolve_device, resolve_dtype
 from specserve.engine.adaptive_k import AdaptiveK
 from specserve.engine.executor import make_executor
+from specserve.engine.prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
@@ -97,12 +98,13 @@ class LLMEngine:
                                                      self.proposer.max_model_len)
             caches += self.proposer.caches
             self.runner.aux_layers = self.proposer.aux_hidden_layers
-        self.scheduler = Scheduler(sc, caches)
+        self.prefix_cache, prefix_note = self._prefix_cache(sc, caches)
+        self.scheduler = Scheduler(sc, caches, self._admit if self.prefix_cache else None)
         parts = [f"target {self.backend.describe(self.model)}"] + [
             f"{role} {self.backend.describe(m)}"
             for role, m in (self.proposer.modules if self.proposer else {}).items()]
-        logger.info("backend: %s; %s, %d threads", "; ".join(parts), mc.dtype,
-                    torch.get_num_threads())
+        logger.info("backend: %s; %s, %d threads; %s", "; ".join(parts), mc.dtype,
+                    torch.get_num_threads(), prefix_note)
         self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec else 0
         self.verify_method = self.spec.rejection_sample_method if self.spec else "strict"
         self.synthetic_rates = self.spec.synthetic_rates() if self.spec else None
@@ -116,6 +118,44 @@ class LLMEngine:
         if mc.freeze_gc:        # opt-in: it is process-wide (see ModelConfig.freeze_gc)
             gc.collect()
             gc.freeze()
+
+    def _prefix_cache(self, sc, caches: list) -> tuple[PrefixCache | None, str]:
+        """The prefix cache over `caches` (None where it is off or cannot run) and the backend
+        line's note on it."""
+        if not sc.enable_prefix_caching:
+            return None, "prefix caching off"
+        why = self.executor.no_prefix_caching
+        if why is None and self.proposer is not None and not getattr(
+                self.proposer, "reuses_prefix", False):
+            why = (f"the {self.spec.method} proposer cannot resume from cached prefix KV "
+                   "(reuses_prefix is false)")
+        if why is not None:
+            return None, f"prefix caching off: {why}"
+        pc = PrefixCache(caches, PREFIX_BLOCK_SIZE, sc.prefix_caching_max_tokens)
+        return pc, (f"prefix caching on ({pc.num_blocks * pc.block_size} tokens in blocks of "
+                    f"{pc.block_size}, {pc.nbytes() / 2**20:.0f} MiB at most)")
+
+    def _admit(self, req: Request) -> None:
+        """A request got its slot: start it after the longest cached prefix of its prompt."""
+        n = self.prefix_cache.lookup(req.prompt_token_ids, req.slot)
+        if n:
+            req.num_computed_tokens = req.num_cached_tokens = n
+            if self.proposer is not None:
+                self.proposer.resume_prefix(req, n)
+
+    def _store_prefix(self, req: Request) -> None:
+        """Offer the request's verified positions (its KV and the drafters') to the cache."""
+        valid = req.num_computed_tokens
+        if self.proposer is not None:
+            drafter = self.proposer.prefix_positions(req)
+            valid = valid if drafter is None else min(valid, drafter)
+        self.prefix_cache.insert(req.all_token_ids, valid, req.slot)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`: a benchmark repeating its
+        prompts)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.reset()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (also done when the engine is collected)."""
@@ -248,6 +288,13 @@ class LLMEngine:
                 if num_decoding:
                     self.adaptive_k.observe("propose", num_decoding, k,
                                             time.perf_counter() - t1)
+        if self.prefix_cache is not None:     # prompts just computed, drafters' state too
+            for b in batch:
+                r = b.request
+                if (not r.prompt_stored and not r.is_finished
+                        and r.num_computed_tokens >= r.num_prompt_tokens):
+                    r.prompt_stored = True
+                    self._store_prefix(r)
         self._maybe_log()
         # after drafting, which may fail a request too
         return [self._output(b.request) for b in batch
@@ -338,6 +385,11 @@ class LLMEngine:
         req.finish_time = time.monotonic()
 
     def _finish(self, req: Request) -> None:
+        if self.prefix_cache is not None and req.slot is not None and req.finish_reason != "error":
+            try:
+                self._store_prefix(req)         # the history a next turn resends
+            except Exception:
+                logger.exception("storing the prefix of request %s failed", req.request_id)
         self.scheduler.finish(req)
         if self.proposer is not None:
             try:
@@ -432,7 +484,7 @@ class LLMEngine:
             metrics["finish_time"] = req.finish_time
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
                              req.is_finished, req.spec_metrics if self.spec else None, metrics,
-                             req.error)
+                             req.error, req.num_cached_tokens)
 
     def reset_proposer(self) -> None:
         """Forget what the proposer kept across requests (a benchmark repeating its prompts)."""
@@ -443,6 +495,8 @@ class LLMEngine:
         m = self.spec_stats.as_dict()
         if self.proposer is not None:
             m |= self.proposer.stats()
+        if self.prefix_cache is not None:
+            m |= self.prefix_cache.stats()
         if self.adaptive_k is not None:
             m["adaptive_k_choices"] = dict(sorted(self.adaptive_k.chosen.items()))  # K -> steps
         return m

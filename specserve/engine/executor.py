@@ -24,6 +24,9 @@ from specserve.models.tensor_parallel import check_divisible
 class Executor:
     """One process: the target loaded and prepared here."""
 
+    # why prefix caching cannot run on this executor (None: it can)
+    no_prefix_caching: str | None = None
+
     def __init__(self, mc: ModelConfig, backend: Backend, max_len: int, num_slots: int) -> None:
         self.mc, self.backend, self.max_len, self.num_slots = mc, backend, max_len, num_slots
 
@@ -53,6 +56,8 @@ class Executor:
 class TensorParallelExecutor(Executor):
     """Ranks 0..N-1 each hold a shard of the target (rank 0 here, the others in worker
     processes); a drafter of draft_tensor_parallel_size > 1 is sharded over them too."""
+
+    no_prefix_caching = "the other ranks' KV lives in their own processes"
 
     def __init__(self, mc: ModelConfig, backend: Backend, max_len: int, num_slots: int) -> None:
         super().__init__(mc, backend, max_len, num_slots)

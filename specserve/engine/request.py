@@ -47,6 +47,8 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     spec_metrics: SpecDecodingStats = field(default_factory=lambda: SpecDecodingStats(0))
     first_token_time: float | None = None
+    num_cached_tokens: int = 0          # prompt tokens whose KV came from the prefix cache
+    prompt_stored: bool = False         # its prompt's blocks are in the prefix cache
     finish_time: float | None = None
 
     def __post_init__(self) -> None:

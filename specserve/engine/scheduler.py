@@ -10,6 +10,7 @@ budget are free, and requests leave as soon as they finish.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specserve.config import SchedulerConfig
@@ -26,9 +27,13 @@ class ScheduledRequest:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, caches: list[KVCache]) -> None:
+    def __init__(self, config: SchedulerConfig, caches: list[KVCache],
+                 on_admit: Callable[[Request], None] | None = None) -> None:
         self.config = config
         self.caches = caches          # the target's cache, plus a draft model's if any
+        # called with each request given its slot, before its tokens are counted (prefix
+        # caching sets num_computed_tokens there)
+        self.on_admit = on_admit
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -58,6 +63,8 @@ class Scheduler:
                 assert c.allocate() == req.slot, "draft and target caches allocate in lockstep"
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            if self.on_admit is not None:
+                self.on_admit(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             plans.append((req, n))
             budget -= n

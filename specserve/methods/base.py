@@ -125,6 +125,10 @@ class Proposer(Protocol):
     max_model_len: int | None
     # Its models by role ("draft model", "head"), for the engine's one-line backend log.
     modules: dict[str, nn.Module]
+    # Prefix caching: whether its state of a prompt prefix may come from the cache (its
+    # caches' first positions, see `prefix_positions`); False turns prefix caching off (a
+    # proposer that needs the target's features of every position).
+    reuses_prefix: bool
 
     def propose(self, batch: ProposeBatch) -> list[Proposal]:
         """Draft up to `batch.max_num_tokens[i]` tokens for each of `batch.requests` (which may
@@ -133,6 +137,16 @@ class Proposer(Protocol):
 
     def finish(self, request: DraftRequest) -> None:
         """Forget per-request state (the request finished or was aborted)."""
+        ...
+
+    def prefix_positions(self, request: DraftRequest) -> int | None:
+        """Positions of the request's slot in `caches` that now hold its state of the
+        request's verified tokens (what the prefix cache may store); None: it keeps none."""
+        ...
+
+    def resume_prefix(self, request: DraftRequest, num_positions: int) -> None:
+        """Before the request's first step: its slot in `caches` holds positions
+        < num_positions (copied from the prefix cache); the target computes from there."""
         ...
 
     def reset(self) -> None:
@@ -152,7 +166,17 @@ class ProposerBase:
     max_model_len: int | None = None
     modules: dict[str, nn.Module] = {}
 
+    @property
+    def reuses_prefix(self) -> bool:
+        return not self.caches       # a proposer with caches says how they are resumed
+
     def finish(self, request: DraftRequest) -> None:
+        pass
+
+    def prefix_positions(self, request: DraftRequest) -> int | None:
+        return None
+
+    def resume_prefix(self, request: DraftRequest, num_positions: int) -> None:
         pass
 
     def reset(self) -> None:

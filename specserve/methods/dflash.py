@@ -325,6 +325,18 @@ class DFlashProposer(ProposerBase):
         self.device = ctx.device
         self.sample = config.draft_sample_method == "probabilistic"
         self.threshold = config.draft_confidence_threshold
+        self.num_written: dict[str, int] = {}       # request id -> positions of its context
+
+    reuses_prefix = True
+
+    def prefix_positions(self, request) -> int:
+        return self.num_written.get(request.request_id, 0)
+
+    def resume_prefix(self, request, num_positions: int) -> None:
+        self.num_written[request.request_id] = num_positions
+
+    def finish(self, request) -> None:
+        self.num_written.pop(request.request_id, None)
 
     def _write_context(self, batch: ProposeBatch) -> None:
         """The context keys and values of the positions each request of the step verified."""
@@ -334,6 +346,7 @@ class DFlashProposer(ProposerBase):
             if r.is_finished:
                 continue
             lo, hi = out.rows(i, r.num_computed_tokens)
+            self.num_written[r.request_id] = r.num_computed_tokens
             rows += range(lo, hi)
             slots += [r.slot] * (hi - lo)
             positions += range(out.starts[i], r.num_computed_tokens)

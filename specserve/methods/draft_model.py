@@ -198,6 +198,15 @@ class DraftModelProposer(ProposerBase):
         logits = self._forward(reqs, masked, starts, budgets)          # [sum(budgets), V]
         return drafts_from_rows(logits, budgets, reqs, self.sample, self.threshold)
 
+    reuses_prefix = True
+
+    def prefix_positions(self, request) -> int:
+        st = self.state.get(request.request_id)
+        return st.num_computed if st is not None else 0
+
+    def resume_prefix(self, request, num_positions: int) -> None:
+        self.state[request.request_id] = _DraftState(num_computed=num_positions)
+
     def finish(self, request) -> None:
         self.state.pop(request.request_id, None)
 

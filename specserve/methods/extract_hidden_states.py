@@ -28,6 +28,8 @@ logger = logging.getLogger("specserve")
 
 
 class HiddenStateWriter(ProposerBase):
+    reuses_prefix = False           # a file holds the states of every position
+
     def __init__(self, config: SpeculativeConfig, ctx: DraftContext) -> None:
         if not config.hidden_states_dir:
             raise ValueError("extract_hidden_states needs 'hidden_states_dir': the directory "

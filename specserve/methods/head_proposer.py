@@ -237,6 +237,14 @@ class HeadProposer(ProposerBase):
         return [Proposal(toks, parents=None if t.is_chain else list(p))
                 for toks, t, p in zip(tokens, trees, parents)]
 
+    reuses_prefix = True
+
+    def prefix_positions(self, request) -> int:
+        return self.num_verified.get(request.request_id, 0)
+
+    def resume_prefix(self, request, num_positions: int) -> None:
+        self.num_verified[request.request_id] = self.num_seen[request.request_id] = num_positions
+
     def finish(self, request) -> None:
         self.num_verified.pop(request.request_id, None)
         self.pending.pop(request.request_id, None)

@@ -51,6 +51,16 @@ class HybridProposer(ProposerBase):
     def finish(self, request) -> None:
         self.drafter.finish(request)
 
+    @property
+    def reuses_prefix(self) -> bool:
+        return self.drafter.reuses_prefix
+
+    def prefix_positions(self, request) -> int | None:
+        return self.drafter.prefix_positions(request)
+
+    def resume_prefix(self, request, num_positions: int) -> None:
+        self.drafter.resume_prefix(request, num_positions)
+
     def reset(self) -> None:
         self.drafter.reset()
 

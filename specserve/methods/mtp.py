@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from specserve.config import SpeculativeConfig
@@ -165,27 +166,33 @@ def _read_layer(tensors: dict[str, torch.Tensor], prefix: str, names: dict[str, 
 
 
 def write(head: MTPLayer, out: Path, target_dir: Path, dtype: torch.dtype) -> None:
-    """The target directory plus its MTP layer as one more shard. The target's weight shards
-    are relative symlinks, not copies: the MTP layer is small, the target is not (`cp -rL`
-    makes a self-contained copy)."""
+    """A directory target: its directory plus the MTP layer as one more shard (the target's
+    weight shards are relative symlinks, not copies: the MTP layer is small, the target is
+    not; `cp -rL` makes a self-contained copy). A GGUF target: the MTP layer alone with the
+    target's config, given as speculative_config 'model' beside that target."""
     out.mkdir(parents=True, exist_ok=True)
     a = head.args
-    for f in target_dir.iterdir():
-        if f.name == "model-mtp.safetensors" or not f.is_file():
-            continue
-        dst = out / f.name
-        dst.unlink(missing_ok=True)
-        if f.suffix == ".safetensors":
-            dst.symlink_to(os.path.relpath(f.resolve(), out.resolve()))
-        elif f.suffix == ".json":
-            shutil.copy(f, dst)
-    cfg = json.loads((target_dir / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    is_dir = Path(target_dir).is_dir()
+    cfg = (json.loads((target_dir / "config.json").read_text()) if is_dir
+           else load_hf_config(target_dir)) | {"num_nextn_predict_layers": 1}
     p = f"model.layers.{cfg['num_hidden_layers']}."     # MTP layers follow the decoder
     tensors = {p + "enorm.weight": head.enorm.weight, p + "hnorm.weight": head.hnorm.weight,
                p + "eh_proj.weight": head.eh_proj.weight,
                p + "shared_head.norm.weight": head.shared_head_norm.weight}
-    tensors |= layer_tensors(head.block, a, p)
-    add_shard(out, to_dtype(tensors, dtype))
+    tensors = to_dtype(tensors | layer_tensors(head.block, a, p), dtype)
+    if is_dir:
+        for f in target_dir.iterdir():
+            if f.name == "model-mtp.safetensors" or not f.is_file():
+                continue
+            dst = out / f.name
+            dst.unlink(missing_ok=True)
+            if f.suffix == ".safetensors":
+                dst.symlink_to(os.path.relpath(f.resolve(), out.resolve()))
+            elif f.suffix == ".json":
+                shutil.copy(f, dst)
+        add_shard(out, tensors)
+    else:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 

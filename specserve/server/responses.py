@@ -36,7 +36,8 @@ def chat_logprobs(token_ids: list[int], lps: list[dict[int, float]] | None,
 def usage(outs: list[RequestOutput]) -> dict:
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
 
 
 def spec_metrics(out: RequestOutput) -> dict | None:

@@ -236,11 +236,8 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
     """Mean acceptance length at K on held-out prompts: code completions, or with `chat` the
     held-out chat prompts through the target's chat template (`extra`: more
     speculative_config keys)."""
-    spec = {"method": method, "num_speculative_tokens": k} | (extra or {})
-    in_target = methods.get(method).model_is_target      # the head dir is the target (mtp)
-    if not in_target:
-        spec["model"] = str(head_dir)
-    llm = LLM(str(head_dir if in_target else target_dir), device="cpu", speculative_config=spec)
+    spec = {"method": method, "num_speculative_tokens": k, "model": str(head_dir)} | (extra or {})
+    llm = LLM(str(target_dir), device="cpu", speculative_config=spec)
     max_tokens = min(max_tokens, llm.engine.max_model_len // 2)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0,
                             ignore_eos=not chat)

@@ -249,3 +249,26 @@ def test_spec_metrics_when_asked(text_model_dir):
         assert "spec_metrics" not in (plain.model_extra or {})
         m = httpx.get(base + "/metrics").text
         assert 'specserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in m
+
+
+def test_prefix_cache_hits_in_usage_and_metrics(client, server):
+    """A resent system prompt: the second answer's usage counts its cached prompt tokens, in
+    the chat route and streamed completions alike, and /metrics counts them."""
+    system = "def add(a, b):\n    return a + b\n" * 6
+    chat = [client.chat.completions.create(
+        model=NAME, max_tokens=2, temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in ("hello", "world")]
+    assert chat[0].usage.prompt_tokens_details.cached_tokens == 0
+    cached = chat[1].usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < chat[1].usage.prompt_tokens
+    client.completions.create(model=NAME, prompt=system + "hello", max_tokens=2)
+    stream = client.completions.create(model=NAME, prompt=system + "world", max_tokens=2,
+                                       stream=True, stream_options={"include_usage": True})
+    usage = [c.usage for c in stream if c.usage is not None][-1]
+    assert usage.prompt_tokens_details.cached_tokens > 0
+    m = httpx.get(server[0] + "/metrics").text
+    hits = [line for line in m.splitlines()
+            if line.startswith('specserve:prefix_cache_hits_total{model_name="tiny"}')]
+    assert hits and float(hits[0].split()[-1]) >= cached + usage.prompt_tokens_details.cached_tokens
+    assert 'specserve:prefix_cache_queries_total{model_name="tiny"}' in m
