@@ -440,14 +440,24 @@ class ServerConfig:
     max_prompt_tokens_per_request: int | None = field(default=None, metadata={
         "help": "most prompt tokens over all prompts of one request (default: 8 x the "
                 "context length)"})
+    default_max_tokens: int | None = field(default=None, metadata={
+        "help": "max_tokens of a prompt whose request gives none (default: the rest of the "
+                "context)"})
+    max_tokens_per_request: int | None = field(default=None, metadata={
+        "help": "most tokens to generate over all prompts of one request, max_tokens x "
+                "prompts (default: 8 x the context length)"})
+    max_stop: int = field(default=16, metadata={
+        "help": "most stop strings, and most stop_token_ids, one request may give"})
+    max_stop_chars: int = field(default=256, metadata={
+        "help": "longest stop string, in characters"})
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_prompts_per_request"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        tokens = self.max_prompt_tokens_per_request
-        if tokens is not None and tokens < 1:
-            raise ValueError(f"max_prompt_tokens_per_request must be >= 1, got {tokens}")
+        for name in ("max_request_bytes", "max_prompts_per_request", "max_stop",
+                     "max_stop_chars", "max_prompt_tokens_per_request", "default_max_tokens",
+                     "max_tokens_per_request"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if not self.request_body_timeout_s > 0:
             raise ValueError(f"request_body_timeout_s must be > 0, got "
                              f"{self.request_body_timeout_s}")

@@ -36,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None       # top logprobs to return per token (0 = only the sampled)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # drafts per step for this request: 0 = no speculation, None = the engine's K (at most it)
+    num_speculative_tokens: int | None = None
 
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -62,6 +64,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ValueError("num_speculative_tokens must be an integer >= 0 (0: no speculation "
+                             f"for this request), got {k!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")

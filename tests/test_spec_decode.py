@@ -363,3 +363,29 @@ def test_confidence_threshold_keeps_output_and_shortens_drafts(method, llama_dir
     assert per_draft[0] > 2.5                      # K = 3 except near max_tokens
     assert per_draft[0] >= per_draft[1] >= per_draft[2] >= 1.0
     assert per_draft[2] < per_draft[0]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_per_request_k_in_one_batch(method, llama_dir, draft_dir):
+    """Requests asking for 0, 1, 2 and the engine's K drafts share batches: each gets at most
+    its own K per step, none with 0, and every output equals no-spec."""
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(8, seed=5)]
+    ref = [o.outputs[0].token_ids for o in LLM(str(llama_dir), device=DEVICE).generate(
+        ps, _greedy(), use_tqdm=False)]
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config=spec_configs(draft_dir)[method])
+    ks = [0, 1, 2, None] * 2
+    outs = llm.generate(ps, [_greedy(num_speculative_tokens=k) for k in ks], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    for o, k in zip(outs, ks):
+        m = o.spec_metrics
+        if k == 0:
+            assert m.num_drafts == 0
+        else:
+            assert m.num_drafts > 0 and m.num_draft_tokens <= m.num_drafts * (k or K)
+    assert max(o.spec_metrics.num_draft_tokens / o.spec_metrics.num_drafts
+               for o, k in zip(outs, ks) if k is None) > 2
+    with pytest.raises(ValueError, match=f"num_speculative_tokens={K + 1} is more than the "
+                                         f"engine's {K}"):
+        llm.generate(ps[0], _greedy(num_speculative_tokens=K + 1), use_tqdm=False)
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 0"):
+        _greedy(num_speculative_tokens=-1)

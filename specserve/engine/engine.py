@@ -205,6 +205,15 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
+        k = params.num_speculative_tokens
+        if k and k > self.num_spec_tokens:
+            raise ValueError(f"num_speculative_tokens={k} is more than the engine's "
+                             f"{self.num_spec_tokens} (speculative_config "
+                             "num_speculative_tokens); give at most that, or 0 for none")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
+                             f"{self.vocab_size})")
         ids = self.prompt_ids(prompt)
         text = prompt if isinstance(prompt, str) else None
         n = next(self._ids)
@@ -424,11 +433,12 @@ class LLMEngine:
             if r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
                 continue
             num_decoding += 1
-            room = min(k, r.max_new_tokens - 1)
+            own = r.params.num_speculative_tokens
+            room = min(k if own is None else min(k, own), r.max_new_tokens - 1)
             if self.draft_max_len is not None:      # drafts stay inside the drafter's context
                 room = min(room, self.draft_max_len - r.num_tokens + 1)
             if room > 0:
-                r.spec_budget = k
+                r.spec_budget = k if own is None else min(k, own)
                 reqs.append(r)
                 budgets.append(room)
         try:

@@ -114,6 +114,7 @@ class _Server:
             (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else str)
         self.max_prompt_tokens = (config.max_prompt_tokens_per_request
                                   or 8 * engine.max_model_len)
+        self.max_body_tokens = config.max_tokens_per_request or 8 * engine.max_model_len
 
     async def parse(self, request: Request, model: type[BaseModel]):
         data = await read_json(request, self.config.max_request_bytes,
@@ -136,7 +137,7 @@ class _Server:
             raise APIError(400, f"the request has {len(prompts)} prompts; send at most "
                            f"{self.config.max_prompts_per_request} per request")
         limit = self.engine.max_model_len
-        out, total = [], 0
+        out, total, asked = [], 0, 0
         for prompt in prompts:
             try:
                 ids = self.engine.prompt_ids(prompt)
@@ -147,15 +148,40 @@ class _Server:
                 raise APIError(400, f"the request's prompts have more than "
                                f"{self.max_prompt_tokens} tokens in all; send fewer or shorter "
                                "prompts")
-            max_tokens = req.max_tokens if req.max_tokens is not None else limit - len(ids)
+            max_tokens = req.max_tokens
+            if max_tokens is None:
+                max_tokens = min(self.config.default_max_tokens or limit, limit - len(ids))
             if len(ids) + max_tokens > limit:
                 raise APIError(400, f"this model's maximum context length is {limit} tokens, "
                                f"but {len(ids) + max_tokens} were requested ({len(ids)} in the "
                                f"prompt, {max_tokens} for the completion); lower max_tokens")
+            asked += max_tokens
+            if asked > self.max_body_tokens:
+                raise APIError(400, f"the request asks for more than {self.max_body_tokens} "
+                               "tokens over its prompts (max_tokens x prompts; the server's "
+                               "--max-tokens-per-request); lower max_tokens or send fewer "
+                               "prompts")
             out.append((ids, max_tokens))
         return out
 
     def params(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        c, vocab = self.config, self.engine.vocab_size
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        for what, items in (("stop strings", stops), ("stop_token_ids", req.stop_token_ids or [])):
+            if len(items) > c.max_stop:
+                raise APIError(400, f"the request gives {len(items)} {what}; at most "
+                               f"{c.max_stop} are allowed (the server's --max-stop)")
+        if any(len(s) > c.max_stop_chars for s in stops):
+            raise APIError(400, f"a stop string is longer than {c.max_stop_chars} characters "
+                           "(the server's --max-stop-chars); shorten it")
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
+                           f"{vocab})")
+        k = req.num_speculative_tokens
+        if k and k > self.engine.num_spec_tokens:
+            raise APIError(400, f"num_speculative_tokens={k} is more than this server's "
+                           f"{self.engine.num_spec_tokens}; give at most that, or 0 for none")
         try:
             return req.sampling_params(max_tokens, logprobs)
         except ValueError as e:

@@ -42,6 +42,9 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     include_spec_metrics: bool = Field(
         default=False, description="add the request's speculative-decoding summary")
+    num_speculative_tokens: int | None = Field(
+        default=None, ge=0, description="drafts per step for this request: 0 = no speculation; "
+        "at most the server's num_speculative_tokens (default: that)")
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -59,7 +62,8 @@ class _SamplingFields(BaseModel):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            num_speculative_tokens=self.num_speculative_tokens)
 
 
 class CompletionRequest(_SamplingFields):

@@ -96,6 +96,37 @@ def test_bad_bodies_are_400s(client, body, status, message):
     assert r.status_code == status and message in r.json()["error"]["message"], r.text[:300]
 
 
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "x", "stop": ["a"] * 17}, "17 stop strings; at most 16 are allowed (the server's "
+                                          "--max-stop)"),
+    ({"prompt": "x", "stop_token_ids": list(range(17))}, "17 stop_token_ids; at most 16"),
+    ({"prompt": "x", "stop": "a" * 257}, "longer than 256 characters (the server's "
+                                         "--max-stop-chars)"),
+    ({"prompt": "x", "stop_token_ids": [2**70]}, "outside the vocabulary"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "outside the vocabulary"),
+    ({"prompt": [[1]] * 64}, "more than 1024 tokens over its prompts (max_tokens x prompts; the "
+                             "server's --max-tokens-per-request)"),
+    ({"prompt": "x", "num_speculative_tokens": 1}, "num_speculative_tokens=1 is more than this "
+                                                   "server's 0"),
+    ({"prompt": "x", "num_speculative_tokens": -1}, "num_speculative_tokens"),
+])
+def test_limits_say_what_they_are(client, body, message):
+    r = _post(client, "/v1/completions", body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text[:300]
+    assert _post(client, "/v1/completions", GREEDY).status_code == 200
+
+
+def test_limit_flags(make_client):
+    c = make_client(max_stop=2, max_stop_chars=3, default_max_tokens=5, max_tokens_per_request=9)
+    assert _post(c, "/v1/completions", {"prompt": "x", "stop": ["abc", "de"]}).status_code == 200
+    assert "at most 2" in _post(c, "/v1/completions", {"prompt": "x", "stop": ["a"] * 3}).text
+    r = _post(c, "/v1/completions", {"prompt": "x", "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 5          # default_max_tokens
+    assert _post(c, "/v1/completions", {"prompt": ["x", "y"], "max_tokens": 4}).status_code == 200
+    r = _post(c, "/v1/completions", {"prompt": ["x", "y"], "max_tokens": 5})
+    assert r.status_code == 400 and "more than 9 tokens over its prompts" in r.text
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", b'{"prompt": "%s", "max_tokens": 4}'),
     ("/v1/completions", b'{"prompt": ["ok", "%s"], "max_tokens": 4}'),

@@ -247,6 +247,11 @@ def test_spec_metrics_when_asked(text_model_dir):
         assert sm["num_drafts"] >= 1 and 1.0 <= sm["mean_acceptance_length"] <= 4.0
         plain = c.completions.create(model=NAME, prompt="hello", max_tokens=4, temperature=0)
         assert "spec_metrics" not in (plain.model_extra or {})
+        off = c.completions.create(model=NAME, prompt="hello hello hello hello", max_tokens=16,
+                                   temperature=0, extra_body={"include_spec_metrics": True,
+                                                              "num_speculative_tokens": 0})
+        assert off.model_extra["spec_metrics"][0]["num_drafts"] == 0
+        assert off.choices[0].text == r.choices[0].text
         m = httpx.get(base + "/metrics").text
         assert 'specserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in m
 
