@@ -22,6 +22,30 @@ def _finite(name: str, value: float) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's shape): exactly one of a JSON schema (`json`, a dict
+    or its JSON text), any JSON object (`json_object`), a regular expression (`regex`), one of
+    several strings (`choice`) or a Lark grammar (`grammar`)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar")
+                 if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, "
+                             f"choice, grammar; got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(
+                isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs choice must be a non-empty list of non-empty "
+                             "strings")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0          # 0 = greedy
@@ -38,6 +62,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # drafts per step for this request: 0 = no speculation, None = the engine's K (at most it)
     num_speculative_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     stop_strings: list[str] = field(init=False, repr=False)
 

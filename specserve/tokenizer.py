@@ -58,6 +58,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what a grammar engine reads the vocabulary from)."""
+        return self._tok.to_str()
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

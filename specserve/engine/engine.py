@@ -18,6 +18,7 @@ from specserve.engine.prefix_cache import PREFIX_BLOCK_SIZE, PrefixCache
 from specserve.engine.request import Request, RequestStatus
 from specserve.engine.runner import ModelRunner, RunnerOutput
 from specserve.engine.scheduler import ScheduledRequest, Scheduler
+from specserve.engine.structured_output import Grammars
 from specserve.methods import (
     DraftContext,
     Proposal,
@@ -111,6 +112,9 @@ class LLMEngine:
         self.spec_stats = SpecDecodingStats(self.num_spec_tokens)
         self.adaptive_k = (AdaptiveK(self.num_spec_tokens)
                            if self.spec is not None and self.spec.adaptive_k else None)
+        eos = (self.tokenizer.eos_token_id if self.tokenizer is not None else None)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size,
+                                 eos if eos is not None else min(self.eos_token_ids, default=None))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._start = time.monotonic()
@@ -215,6 +219,8 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
                              f"{self.vocab_size})")
         ids = self.prompt_ids(prompt)
+        grammar = (self.grammars.matcher(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         text = prompt if isinstance(prompt, str) else None
         n = next(self._ids)
         rid = request_id if request_id is not None else str(n)
@@ -228,7 +234,8 @@ class LLMEngine:
             request_id=rid, prompt=text, prompt_token_ids=ids, params=params, generator=gen,
             max_total_tokens=self.max_model_len,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None)
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None,
+            grammar=grammar)
         self.requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -265,6 +272,13 @@ class LLMEngine:
                                    b.request.generator,
                                    b.request.spec_parents if b.num_spec_tokens else None)
                      for _, b in sampled]
+            row = 0
+            for (_, b), v in zip(sampled, vreqs):       # structured output: masked rows
+                if b.request.grammar is not None:
+                    self.grammars.mask_rows(b.request.grammar,
+                                            out.logits[row:row + b.num_sample_rows],
+                                            v.draft_token_ids, v.parents)
+                row += b.num_sample_rows
             errors: dict[int, Exception] = {}
             tokens = verify(out.logits, vreqs, self.verify_method, self.synthetic_rates,
                             errors).tolist()
@@ -344,9 +358,26 @@ class LLMEngine:
         req.spec_parents = None
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+        if req.grammar is not None:
+            tokens = self._consume_grammar(req, tokens)
         kept = self._append_tokens(req, tokens)
+        if req.grammar is not None and req.grammar.is_stopped() and not req.is_finished:
+            self._stop(req, "stop", None)          # the grammar's output is complete
         if req.logprobs is not None and kept:
             req.logprobs.extend(token_logprobs(logits[:kept], tokens[:kept], req.params.logprobs))
+
+    @staticmethod
+    def _consume_grammar(req: Request, tokens: list[int]) -> list[int]:
+        """Advance the request's grammar over its accepted tokens; the tokens up to where the
+        grammar's output is complete (after that only EOS could follow: the output ends
+        there, as it does without drafts)."""
+        for j, t in enumerate(tokens):
+            if not req.grammar.consume_token(t):
+                raise ValueError(f"the grammar refused a token it allowed: "
+                                 f"{req.grammar.get_error()}")
+            if req.grammar.is_stopped():
+                return tokens[:j + 1]
+        return tokens
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> int:
         """Append emitted tokens one by one, stopping exactly where a stop condition hits.
@@ -463,6 +494,11 @@ class LLMEngine:
             r.spec_token_ids = list(prop.token_ids)
             r.spec_token_probs = prop.probs
             r.spec_parents = prop.parents
+            if r.grammar is not None and prop.parents is None:   # a chain ends where it must
+                n = self.grammars.valid_drafts(r.grammar, r.spec_token_ids)
+                del r.spec_token_ids[n:]
+                if prop.probs is not None:
+                    r.spec_token_probs = prop.probs[:n]
         return num_decoding, k
 
     def _check_proposal(self, prop: Proposal, room: int) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +50,7 @@ class Request:
     first_token_time: float | None = None
     num_cached_tokens: int = 0          # prompt tokens whose KV came from the prefix cache
     prompt_stored: bool = False         # its prompt's blocks are in the prefix cache
+    grammar: Any = None                 # structured output: its llguidance matcher
     finish_time: float | None = None
 
     def __post_init__(self) -> None:

@@ -183,7 +183,10 @@ class _Server:
             raise APIError(400, f"num_speculative_tokens={k} is more than this server's "
                            f"{self.engine.num_spec_tokens}; give at most that, or 0 for none")
         try:
-            return req.sampling_params(max_tokens, logprobs)
+            params = req.sampling_params(max_tokens, logprobs)
+            if params.structured_outputs is not None:         # a bad grammar: the client's
+                self.engine.grammars.matcher(params.structured_outputs)
+            return params
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

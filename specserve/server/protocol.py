@@ -8,12 +8,46 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.sampling_params import SamplingParams
+from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = "response"
+    description: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema: "
+                             "{\"name\": ..., \"schema\": {...}}")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -42,6 +76,12 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     include_spec_metrics: bool = Field(
         default=False, description="add the request's speculative-decoding summary")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict | str | None = None           # vLLM's older names of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     num_speculative_tokens: int | None = Field(
         default=None, ge=0, description="drafts per step for this request: 0 = no speculation; "
         "at most the server's num_speculative_tokens (default: that)")
@@ -57,13 +97,35 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         return self
 
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint from whichever field gave it (ValueError when
+        several did)."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            given.append(StructuredOutputsParams(json_object=True) if rf.type == "json_object"
+                         else StructuredOutputsParams(json=rf.json_schema.schema_))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice,
+                                                 grammar=so.grammar,
+                                                 json_object=so.json_object))
+        for key in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{key}")
+            if value is not None:
+                given.append(StructuredOutputsParams(**{key: value}))
+        if len(given) > 1:
+            raise ValueError("give one of response_format, structured_outputs and guided_*")
+        return given[0] if given else None
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            num_speculative_tokens=self.num_speculative_tokens)
+            num_speculative_tokens=self.num_speculative_tokens,
+            structured_outputs=self.structured())
 
 
 class CompletionRequest(_SamplingFields):

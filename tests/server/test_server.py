@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
@@ -277,3 +278,30 @@ def test_prefix_cache_hits_in_usage_and_metrics(client, server):
             if line.startswith('specserve:prefix_cache_hits_total{model_name="tiny"}')]
     assert hits and float(hits[0].split()[-1]) >= cached + usage.prompt_tokens_details.cached_tokens
     assert 'specserve:prefix_cache_queries_total{model_name="tiny"}' in m
+
+
+def test_structured_output_over_http(client):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs and
+    guided_* fields constrain the answer; a bad grammar or two constraints are 400s."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=NAME, max_tokens=40, temperature=0, messages=[{"role": "user", "content": "hi"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    obj = json.loads(r.choices[0].message.content)
+    assert set(obj) == {"ok", "n"} and isinstance(obj["ok"], bool) and obj["n"] in (1, 2, 3)
+    for extra, check in (({"structured_outputs": {"choice": ["red", "green"]}},
+                          lambda t: t in ("red", "green")),
+                         ({"guided_regex": "[0-9]{4}"}, lambda t: len(t) == 4 and t.isdigit()),
+                         ({"structured_outputs": {"grammar": 'start: "a"+ "b"'}},
+                          lambda t: t.rstrip("b") == "a" * (len(t) - 1) and t.endswith("b"))):
+        c = client.completions.create(model=NAME, prompt="hello", max_tokens=20, temperature=0.8,
+                                      seed=3, extra_body=extra)
+        assert check(c.choices[0].text), (extra, c.choices[0].text)
+    for extra, message in (({"guided_regex": "(unclosed"}, "structured_outputs"),
+                           ({"guided_regex": "a", "guided_choice": ["b"]},
+                            "give one of response_format, structured_outputs and guided_*"),
+                           ({"response_format": {"type": "json_schema"}}, "needs json_schema")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(message)):
+            client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body=extra)
