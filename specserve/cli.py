@@ -221,9 +221,9 @@ def cmd_zoo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from specserve.bench import latency, prefix, report, serve, tree
+    from specserve.bench import latency, prefix, report, serve, structured, tree
     modes = {"latency": latency.main, "serve": serve.main, "tree": tree.main,
-             "prefix": prefix.main, "report": report.main}
+             "prefix": prefix.main, "structured": structured.main, "report": report.main}
     if not args.bench_args or args.bench_args[0] not in modes:
         raise SystemExit(f"usage: specserve bench {{{','.join(modes)}}} [--help]")
     modes[args.bench_args[0]](args.bench_args)

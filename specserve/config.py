@@ -234,6 +234,8 @@ class SpeculativeConfig:
     adaptive_k: bool = field(default=False, metadata={
         "help": "choose K per step (0..num_speculative_tokens) for the most tokens/s, from "
                 "measured acceptance and step times at the current batch size"})
+    # method "auto": what it chose and why (set by methods.resolve, shown in the backend line)
+    auto_choice: str | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_dict(cls, data: dict) -> SpeculativeConfig:
@@ -241,7 +243,7 @@ class SpeculativeConfig:
             return data
         if not isinstance(data, dict):
             raise ValueError(f"speculative_config must be a mapping, got {type(data).__name__}")
-        valid = [f.name for f in dataclasses.fields(cls)]
+        valid = [f.name for f in dataclasses.fields(cls) if f.init]
         for key in data:
             if key in _SAMPLING_KEYS:
                 raise ValueError(f"speculative_config key {key!r} is a sampling parameter; set "

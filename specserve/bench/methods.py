@@ -14,6 +14,8 @@ from specserve.data.zoo import head_dir
 
 def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict]:
     """The model a benchmark loads for `method` and its speculative_config with K = k."""
+    if method == "auto":                        # it finds its drafter itself; K is its cap
+        return target, {"method": "auto", "num_speculative_tokens": k}
     try:
         m = methods.get(method)
     except ValueError:
@@ -122,7 +124,7 @@ def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
             spec = spec | _suffix_config(name, suffix, a.token_tree)
         if "speculative_token_tree" in spec:
             spec.pop("num_speculative_tokens")
-        uses = methods.get(m)
+        uses = methods.get("ngram" if m == "auto" else m)
         if path and not (uses.needs_model or uses.reads_hidden_states):
             raise SystemExit(f"{m} drafts without a model; drop '@{path}'")
         if "parallel" in suffixes and not path:     # the zoo's parallel draft or head

@@ -225,8 +225,24 @@ def _prefix_markdown(data: dict) -> list[str]:
     return lines
 
 
+def _structured_markdown(data: dict) -> list[str]:
+    s = data["settings"]
+    lines = [f"- {s['target']}, {s['dtype']}, batch 1, greedy, up to {s['max_tokens']} tokens, "
+             f"{len(s['tasks'])} held-out JSON schemas through the chat template; decode "
+             f"tokens/s after the first token, median of {s['rounds']} interleaved rounds", "",
+             "| configuration | tokens/s | vs no-spec | schema-valid | equal to no-spec | tau |",
+             "|---|---:|---:|---:|---|---:|"]
+    for r in data["rows"]:
+        tau = r["mean_acceptance_length"]
+        lines.append(f"| {r['config']} | {median_cell(r['tokens_per_s'], r['rounds'])} | "
+                     f"{r['speedup']:.2f}x | {r['valid']:.0%} | "
+                     f"{'yes' if r['equal_to_no_spec'] else 'NO'} | "
+                     f"{'' if tau is None else f'{tau:.2f}'} |")
+    return lines + ["", f"Example output: `{data['example']}`", ""]
+
+
 _MARKDOWN = {"latency": _latency_markdown, "serve": _serve_markdown, "tree": _tree_markdown,
-             "prefix": _prefix_markdown}
+             "prefix": _prefix_markdown, "structured": _structured_markdown}
 
 
 def markdown(data: dict) -> str:
@@ -294,6 +310,11 @@ def _best(data: dict) -> dict[str, tuple[str, float]]:
                 r["concurrency"]]
             if r["config"] != "no-spec" and (key not in best or v > best[key][1]):
                 best[key] = (r["config"], v)
+    elif data["benchmark"] == "structured":
+        for r in data["rows"]:
+            if r["config"] != "no-spec" and ("json schema" not in best
+                                             or r["speedup"] > best["json schema"][1]):
+                best["json schema"] = (r["config"], r["speedup"])
     elif data["benchmark"] == "prefix":
         for name, w in data["workloads"].items():
             if w["later_on_over_off"]:

@@ -104,6 +104,8 @@ class LLMEngine:
         parts = [f"target {self.backend.describe(self.model)}"] + [
             f"{role} {self.backend.describe(m)}"
             for role, m in (self.proposer.modules if self.proposer else {}).items()]
+        if self.spec is not None and self.spec.auto_choice:
+            parts.append(f"method auto: {self.spec.auto_choice}")
         logger.info("backend: %s; %s, %d threads; %s", "; ".join(parts), mc.dtype,
                     torch.get_num_threads(), prefix_note)
         self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec else 0
@@ -543,6 +545,8 @@ class LLMEngine:
             m |= self.proposer.stats()
         if self.prefix_cache is not None:
             m |= self.prefix_cache.stats()
+        if self.spec is not None and self.spec.auto_choice:
+            m["auto_choice"] = self.spec.auto_choice
         if self.adaptive_k is not None:
             m["adaptive_k_choices"] = dict(sorted(self.adaptive_k.chosen.items()))  # K -> steps
         return m

@@ -35,7 +35,13 @@ from specserve.methods.base import (
 )
 from specserve.methods.hybrid import HybridProposer
 from specserve.models.backend import Backend
-from specserve.models.catalogue import hub_name, is_reference, resolve_model
+from specserve.models.catalogue import (
+    bundled_drafters,
+    catalogue_name,
+    hub_name,
+    is_reference,
+    resolve_model,
+)
 
 __all__ = ["REGISTRY", "DraftContext", "MethodSpec", "Proposal", "ProposeBatch", "Proposer",
            "RunnerOutput", "build_proposer", "detect_method", "get", "head_methods", "load_head",
@@ -98,12 +104,50 @@ def detect_method(model: str | None, target: str | None = None) -> str:
     return draft_model.SPEC.name
 
 
+# method "auto" picks the first of these it finds for the target (the selection guide: a head
+# trained on the target's own outputs first, a draft model after, lookup when there is none)
+AUTO_ORDER = ("eagle3", "mtp", "dflash", "eagle", "draft_model", "medusa", "mlp_speculator")
+AUTO_K = 3          # its K when none is given and the drafter's checkpoint gives none
+
+
+def _choose_auto(config: SpeculativeConfig, target: str | None) -> None:
+    """method "auto": the drafter available for `target` (a `model` given, the target's own MTP
+    layers, a drafter bundled for it, else prompt lookup), with prompt lookup for the requests
+    that copy and K chosen per step from measured acceptance and step times (0 = plain decoding
+    when nothing pays); the choice and its reason in `auto_choice`."""
+    name = catalogue_name(target) if target else None
+    bundled = {b.removeprefix(f"{name}-"): b for b in bundled_drafters(name)} if name else {}
+    if config.model:
+        config.method = detect_method(config.model, target)
+        why = f"{config.method}: the drafter given ({config.model})"
+    elif target and (Path(target) / "config.json").is_file() and mtp.SPEC.default_k(target):
+        config.method, why = mtp.SPEC.name, "mtp: the target's own MTP layers"
+    elif any(m in bundled for m in AUTO_ORDER):
+        config.method = next(m for m in AUTO_ORDER if m in bundled)
+        config.model = resolve_model(bundled[config.method])
+        why = f"{config.method}: {bundled[config.method]}, bundled for this target"
+    else:
+        config.method, why = ngram.SPEC.name, "ngram: no drafter for this target"
+    if config.method != ngram.SPEC.name:
+        config.hybrid_prompt_lookup = config.hybrid_prompt_lookup or 2
+        why += ", prompt lookup for requests that repeat their context"
+    spec = get(config.method)
+    checkpoint = config.model or (target if spec.model_is_target else None)
+    if config.num_speculative_tokens is None and not (
+            spec.default_k and checkpoint and spec.default_k(checkpoint)):
+        config.num_speculative_tokens = AUTO_K
+    config.adaptive_k = True
+    config.auto_choice = why + "; K per step from measured acceptance and step times"
+
+
 def resolve(config: SpeculativeConfig, target: str | None = None) -> SpeculativeConfig:
     """Settle and check what depends on the method (in place; calling it again is a no-op):
     the method detected when omitted, its required model, K from its checkpoint when omitted,
     keys that belong to other methods. `target`: the target's directory (MTP's checkpoint)."""
     if config.model and is_reference(config.model):
         config.model = resolve_model(config.model)      # a catalogue name, a Hub id
+    if config.method == "auto":
+        _choose_auto(config, target)
     if config.method is None:
         config.method = detect_method(config.model, target)
     if config.method == ngram.SPEC.name and config.model == "ngram":

@@ -61,6 +61,12 @@ def catalogue_path(name: str) -> Path:
     return cache_dir() / e.name / Path(e.member).name
 
 
+def catalogue_name(path: str | Path) -> str | None:
+    """The catalogue name of a pulled target's model file, else None."""
+    p = Path(path).resolve()
+    return next((n for n in CATALOGUE if catalogue_path(n).resolve() == p), None)
+
+
 def bundled_drafters(target: str) -> list[str]:
     """Catalogue names of the drafters bundled for a catalogue target."""
     return sorted(p.name for p in BUNDLED.glob(f"{target}-*") if (p / "config.json").is_file())
