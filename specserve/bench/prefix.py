@@ -12,6 +12,7 @@ starts with an empty prefix cache. Greedy outputs of the two are compared.
 from __future__ import annotations
 
 import argparse
+import email.message
 import inspect
 import json
 import statistics
@@ -31,9 +32,9 @@ QUESTIONS = ["Summarize what this code does in two sentences.",
 
 
 def document(llm: LLM, num_tokens: int) -> str:
-    """The source of a standard-library module cut to about `num_tokens` tokens."""
-    import email.message as src        # long, plain Python: a document nobody trained on here
-    ids = llm.get_tokenizer().encode(inspect.getsource(src))[:num_tokens]
+    """The source of a standard-library module (long, plain Python) cut to about `num_tokens`
+    tokens."""
+    ids = llm.get_tokenizer().encode(inspect.getsource(email.message))[:num_tokens]
     return llm.get_tokenizer().decode(ids)
 
 
