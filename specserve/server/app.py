@@ -7,6 +7,7 @@ once the engine itself has stopped, every request gets a 503 at once.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -30,7 +31,9 @@ from specserve.server.guard import APIError, Gate, read_json
 from specserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
+    TokenizeRequest,
     error_body,
     new_id,
     now,
@@ -354,10 +357,42 @@ class _Server:
                 yield head | {"choices": [], "usage": responses.usage([final])}
         return self.stream(chunks())
 
+    def card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": now(), "owned_by": "specserve",
+                "max_model_len": self.engine.max_model_len}
+
     async def models(self):
-        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": now(),
-                                            "owned_by": "specserve",
-                                            "max_model_len": self.engine.max_model_len}]}
+        return {"object": "list", "data": [self.card()]}
+
+    async def model(self, model_id: str):
+        if model_id != self.name:
+            raise APIError(404, f"the model '{model_id}' does not exist; this server serves "
+                           f"'{self.name}'", code="model_not_found")
+        return self.card()
+
+    async def version(self):
+        return {"version": importlib.metadata.version("specserve")}
+
+    async def tokenize(self, request: Request):
+        req = await self.parse(request, TokenizeRequest)
+        try:
+            text = req.prompt if req.messages is None else self.engine.chat_prompt(
+                [{"role": m.role, "content": m.text()} for m in req.messages],
+                req.add_generation_prompt)
+            ids = self.engine.prompt_ids(text)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.engine.max_model_len}
+
+    async def detokenize(self, request: Request):
+        req = await self.parse(request, DetokenizeRequest)
+        bad = [t for t in req.tokens if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, "
+                           f"{self.engine.vocab_size})")
+        if self.engine.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return {"prompt": self.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     async def health(self):
         if not self.async_engine.alive:
@@ -401,14 +436,22 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None,
     app.add_api_route("/v1/chat/completions", s.chat_completions, methods=["POST"],
                       responses=_ERRORS, openapi_extra=_json_body(ChatCompletionRequest))
     app.add_api_route("/v1/models", s.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id}", s.model, methods=["GET"], responses=_ERRORS)
+    app.add_api_route("/tokenize", s.tokenize, methods=["POST"], responses=_ERRORS,
+                      openapi_extra=_json_body(TokenizeRequest))
+    app.add_api_route("/detokenize", s.detokenize, methods=["POST"], responses=_ERRORS,
+                      openapi_extra=_json_body(DetokenizeRequest))
+    app.add_api_route("/version", s.version, methods=["GET"])
     app.add_api_route("/health", s.health, methods=["GET"])
+    app.add_api_route("/health", s.health, methods=["HEAD"], include_in_schema=False)
     app.add_api_route("/metrics", s.prometheus, methods=["GET"])
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             schemas = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (CompletionRequest, ChatCompletionRequest):
+            for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                          DetokenizeRequest):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(js.pop("$defs", {}))
                 schemas[model.__name__] = js

@@ -12,12 +12,12 @@ from specserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str = "response"
     description: str | None = None
     schema_: dict = Field(alias="schema")
@@ -27,7 +27,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: text, any JSON object, or JSON following a schema."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -42,7 +42,7 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs: exactly one of these."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     json_: dict | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -53,7 +53,7 @@ class StructuredOutputs(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI + vLLM extras)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     max_tokens: int | None = None
@@ -162,13 +162,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart]
     name: str | None = None
@@ -191,6 +191,28 @@ class ChatCompletionRequest(_SamplingFields):
                 raise ValueError("max_completion_tokens must be at least 1")
             self.max_tokens = self.max_completion_tokens
         return self
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages through the chat template."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 def new_id(prefix: str) -> str:

@@ -116,6 +116,18 @@ def test_limits_say_what_they_are(client, body, message):
     assert _post(client, "/v1/completions", GREEDY).status_code == 200
 
 
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "4"), ("max_tokens", True), ("max_tokens", 4.0), ("stream", "yes"),
+    ("stream", 1), ("prompt", [[False]]), ("prompt", [["1"]]), ("seed", "7"), ("top_k", 2.5),
+    ("stop_token_ids", [True]), ("num_speculative_tokens", "1"), ("logprobs", False),
+])
+def test_no_type_coercion(client, field, value):
+    """A string is not a number, a bool is not a token id: what the schema forbids is a 400
+    naming the field, never read as something else."""
+    r = _post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2} | {field: value})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text[:300]
+
+
 def test_limit_flags(make_client):
     c = make_client(max_stop=2, max_stop_chars=3, default_max_tokens=5, max_tokens_per_request=9)
     assert _post(c, "/v1/completions", {"prompt": "x", "stop": ["abc", "de"]}).status_code == 200

@@ -305,3 +305,22 @@ def test_structured_output_over_http(client):
                            ({"response_format": {"type": "json_schema"}}, "needs json_schema")):
         with pytest.raises(openai.BadRequestError, match=re.escape(message)):
             client.completions.create(model=NAME, prompt="x", max_tokens=4, extra_body=extra)
+
+
+def test_tokenize_detokenize_version_model_routes(server):
+    base = server[0]
+    t = httpx.post(base + "/tokenize", json={"prompt": "hello world"}).json()
+    assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] == 128
+    assert httpx.post(base + "/detokenize", json={"tokens": t["tokens"]}).json() == {
+        "prompt": "hello world"}
+    chat = httpx.post(base + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.json()["count"] > 1
+    for body, message in (({"prompt": "x", "messages": []}, "give one of prompt and messages"),
+                          ({"tokens": [10**9]}, "outside the vocabulary")):
+        path = "/detokenize" if "tokens" in body else "/tokenize"
+        r = httpx.post(base + path, json=body)
+        assert r.status_code == 400 and message in r.json()["error"]["message"]
+    assert httpx.get(base + "/version").json()["version"]
+    assert httpx.get(base + f"/v1/models/{NAME}").json()["id"] == NAME
+    assert httpx.get(base + "/v1/models/other").status_code == 404
+    assert httpx.head(base + "/health").status_code == 200
