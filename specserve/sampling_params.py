@@ -63,6 +63,10 @@ class SamplingParams:
     # drafts per step for this request: 0 = no speculation, None = the engine's K (at most it)
     num_speculative_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    presence_penalty: float = 0.0       # [-2, 2]: minus this for every token already output
+    frequency_penalty: float = 0.0      # [-2, 2]: minus this times its count in the output
+    repetition_penalty: float = 1.0     # > 0: logits of prompt and output tokens divided by it
+    logit_bias: dict[int, float] | None = None     # token id -> added to its logit, [-100, 100]
 
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -93,6 +97,21 @@ class SamplingParams:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError("num_speculative_tokens must be an integer >= 0 (0: no speculation "
                              f"for this request), got {k!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _finite(name, value)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        _finite("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got "
+                             f"{self.repetition_penalty}")
+        for t, b in (self.logit_bias or {}).items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {t!r}")
+            _finite("a logit_bias value", b)
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for {t}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")

@@ -98,6 +98,13 @@ def ancestors(parents: list[int], i: int) -> list[int]:
     return chain[::-1]
 
 
+def draft_paths(drafts: list[int], parents: list[int] | None) -> list[list[int]]:
+    """The draft tokens before each verify row: none before row 0, and before the row after
+    node i the tokens of node i's path (a chain's: its first i + 1 drafts)."""
+    return [[]] + [[drafts[j] for j in ancestors(parents, i)] if parents is not None
+                   else drafts[:i + 1] for i in range(len(drafts))]
+
+
 def accepted_path(parents: list[int], drafts: list[int], emitted: list[int]) -> list[int]:
     """Indices of the draft nodes behind the accepted tokens `emitted[:-1]` (siblings carry
     distinct tokens, so the tokens name the path)."""

@@ -389,3 +389,41 @@ def test_per_request_k_in_one_batch(method, llama_dir, draft_dir):
         llm.generate(ps[0], _greedy(num_speculative_tokens=K + 1), use_tqdm=False)
     with pytest.raises(ValueError, match="num_speculative_tokens must be an integer >= 0"):
         _greedy(num_speculative_tokens=-1)
+
+
+PENALTIES = [dict(presence_penalty=1.5), dict(frequency_penalty=0.8),
+             dict(repetition_penalty=1.6), dict(logit_bias={5: 4.0, 7: -100.0}),
+             dict(presence_penalty=-0.5, frequency_penalty=0.3, repetition_penalty=0.8,
+                  logit_bias={11: 2.0})]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "hybrid"])
+def test_penalties_and_bias_are_lossless(method, llama_dir, draft_dir):
+    """Each verify row is penalized with the counts of the output and the drafts before it:
+    greedy outputs equal no-spec's under the same penalties, alone and in one batch, and they
+    differ from the unpenalized output (the penalties act). (Seeded samples are equal in
+    distribution, not token for token: verification draws its randomness otherwise.)"""
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(len(PENALTIES), seed=4)]
+    greedy = [_greedy(**kw) for kw in PENALTIES]
+    base = LLM(str(llama_dir), device=DEVICE)
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config=spec_configs(draft_dir)[method])
+    ref = [o.outputs[0].token_ids for o in base.generate(ps, greedy, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, greedy, use_tqdm=False)] == ref
+    assert [llm.generate(p, g, use_tqdm=False)[0].outputs[0].token_ids
+            for p, g in zip(ps, greedy)] == ref
+    plain = [o.outputs[0].token_ids for o in base.generate(ps, _greedy(), use_tqdm=False)]
+    assert all(a != b for a, b in zip(plain, ref))
+    assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    biased = base.generate(ps[0], _greedy(logit_bias={7: 100.0}), use_tqdm=False)[0]
+    assert set(biased.outputs[0].token_ids) == {7}
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(presence_penalty=3), "presence_penalty must be in"),
+    (dict(repetition_penalty=0), "repetition_penalty must be > 0"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"),
+    (dict(logit_bias={1: 101.0}), "logit_bias values must be in"),
+])
+def test_bad_penalties_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _greedy(**kw)

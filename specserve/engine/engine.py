@@ -31,10 +31,11 @@ from specserve.models.backend import Backend
 from specserve.models.catalogue import resolve_model
 from specserve.models.loader import load_hf_config, load_tokenizer, read_json
 from specserve.outputs import CompletionOutput, RequestOutput
+from specserve.sampling.penalties import apply_penalties, needs_processing
 from specserve.sampling.rejection import PLACEHOLDER_TOKEN_ID, VerifyRequest, verify
 from specserve.sampling.sampler import token_logprobs
 from specserve.sampling_params import SamplingParams
-from specserve.token_tree import accepted_path
+from specserve.token_tree import accepted_path, draft_paths
 from specserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger("specserve")
@@ -216,10 +217,12 @@ class LLMEngine:
             raise ValueError(f"num_speculative_tokens={k} is more than the engine's "
                              f"{self.num_spec_tokens} (speculative_config "
                              "num_speculative_tokens); give at most that, or 0 for none")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
-                             f"{self.vocab_size})")
+        for what, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias keys", list(params.logit_bias or ()))):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, "
+                                 f"{self.vocab_size})")
         ids = self.prompt_ids(prompt)
         grammar = (self.grammars.matcher(params.structured_outputs)
                    if params.structured_outputs is not None else None)
@@ -274,13 +277,7 @@ class LLMEngine:
                                    b.request.generator,
                                    b.request.spec_parents if b.num_spec_tokens else None)
                      for _, b in sampled]
-            row = 0
-            for (_, b), v in zip(sampled, vreqs):       # structured output: masked rows
-                if b.request.grammar is not None:
-                    self.grammars.mask_rows(b.request.grammar,
-                                            out.logits[row:row + b.num_sample_rows],
-                                            v.draft_token_ids, v.parents)
-                row += b.num_sample_rows
+            self._process_rows(sampled, vreqs, out.logits)
             errors: dict[int, Exception] = {}
             tokens = verify(out.logits, vreqs, self.verify_method, self.synthetic_rates,
                             errors).tolist()
@@ -324,6 +321,20 @@ class LLMEngine:
         # after drafting, which may fail a request too
         return [self._output(b.request) for b in batch
                 if b.num_sample_rows or b.request.is_finished]
+
+    @torch.inference_mode()
+    def _process_rows(self, sampled: list[tuple[int, ScheduledRequest]],
+                      vreqs: list[VerifyRequest], logits: torch.Tensor) -> None:
+        """logit_bias, penalties and grammar masks on each request's verify rows, in place."""
+        row = 0
+        for (_, b), v in zip(sampled, vreqs):
+            r, rows = b.request, logits[row:row + b.num_sample_rows]
+            if needs_processing(r.params):
+                apply_penalties(rows, r.params, r.prompt_token_ids, r.output_token_ids,
+                                draft_paths(v.draft_token_ids, v.parents))
+            if r.grammar is not None:
+                self.grammars.mask_rows(r.grammar, rows, v.draft_token_ids, v.parents)
+            row += b.num_sample_rows
 
     @torch.inference_mode()
     def _settle_tree(self, i: int, b: ScheduledRequest, v: VerifyRequest, tokens: list[int],

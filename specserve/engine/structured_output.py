@@ -25,7 +25,7 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 import torch
 
 from specserve.sampling_params import StructuredOutputsParams
-from specserve.token_tree import ancestors
+from specserve.token_tree import draft_paths
 from specserve.tokenizer import Tokenizer
 
 
@@ -86,9 +86,7 @@ class Grammars:
         i + 1 drafts)."""
         masks = llt.allocate_token_bitmask(len(logits), self.vocab_size)  # [rows, words] int32
         llt.fill_next_token_bitmask(m, masks, 0)
-        for i in range(len(drafts)):
-            path = ([drafts[j] for j in ancestors(parents, i)] if parents is not None
-                    else drafts[:i + 1])
+        for i, path in enumerate(draft_paths(drafts, parents)[1:]):
             n = m.try_consume_tokens(path)
             if n == len(path):                  # else unreachable: an earlier draft is rejected
                 llt.fill_next_token_bitmask(m, masks, i + 1)

@@ -177,10 +177,12 @@ class _Server:
         if any(len(s) > c.max_stop_chars for s in stops):
             raise APIError(400, f"a stop string is longer than {c.max_stop_chars} characters "
                            "(the server's --max-stop-chars); shorten it")
-        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
-                           f"{vocab})")
+        for what, ids in (("stop_token_ids", req.stop_token_ids or []),
+                          ("logit_bias keys", [int(k) for k in req.logit_bias or {}
+                                               if k.isdigit()])):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})")
         k = req.num_speculative_tokens
         if k and k > self.engine.num_spec_tokens:
             raise APIError(400, f"num_speculative_tokens={k} is more than this server's "

@@ -66,6 +66,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM-style extras
@@ -87,12 +88,7 @@ class _SamplingFields(BaseModel):
         "at most the server's num_speculative_tokens (default: that)")
 
     @model_validator(mode="after")
-    def _unsupported(self):
-        if self.presence_penalty or self.frequency_penalty:
-            raise ValueError("presence_penalty and frequency_penalty are not supported; "
-                             "leave them at 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+    def _checks(self):
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         return self
@@ -118,6 +114,15 @@ class _SamplingFields(BaseModel):
             raise ValueError("give one of response_format, structured_outputs and guided_*")
         return given[0] if given else None
 
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with its keys (token ids written as strings, as OpenAI's) read as ints."""
+        if not self.logit_bias:
+            return None
+        bad = [k for k in self.logit_bias if not k.isdigit()]
+        if bad:
+            raise ValueError(f"logit_bias keys must be token ids written as strings, got {bad[:3]}")
+        return {int(k): v for k, v in self.logit_bias.items()}
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
@@ -125,6 +130,8 @@ class _SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             num_speculative_tokens=self.num_speculative_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.token_bias(),
             structured_outputs=self.structured())
 
 

@@ -324,3 +324,16 @@ def test_tokenize_detokenize_version_model_routes(server):
     assert httpx.get(base + f"/v1/models/{NAME}").json()["id"] == NAME
     assert httpx.get(base + "/v1/models/other").status_code == 404
     assert httpx.head(base + "/health").status_code == 200
+
+
+def test_penalties_and_logit_bias_over_http(client):
+    r = client.completions.create(model=NAME, prompt="hello", max_tokens=6, temperature=0,
+                                  logit_bias={"7": 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text and client.completions.create(
+        model=NAME, prompt="hello", max_tokens=6, temperature=0, presence_penalty=1.0,
+        frequency_penalty=0.5, extra_body={"repetition_penalty": 1.2}).choices
+    for kw, message in (({"logit_bias": {"x": 1}}, "logit_bias keys must be token ids"),
+                        ({"logit_bias": {"99999": 1}}, "outside the vocabulary"),
+                        ({"presence_penalty": 5}, "presence_penalty must be in [-2, 2]")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(message)):
+            client.completions.create(model=NAME, prompt="x", max_tokens=2, **kw)
