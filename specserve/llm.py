@@ -36,6 +36,16 @@ def build_engine_config(model: str, speculative_config: dict | None = None,
     return EngineConfig(mc, sc, spec, kwargs.get("log_stats_interval_s", 0.0))
 
 
+def merge_samples(outs: list[RequestOutput]) -> RequestOutput:
+    """The outputs of a prompt's n samples as one RequestOutput with n completions."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    comps = [dataclasses.replace(o.outputs[0], index=i) for i, o in enumerate(outs)]
+    return dataclasses.replace(first, outputs=comps,
+                               error="; ".join(o.error for o in outs if o.error) or None)
+
+
 class LLM:
     """Generate text offline.
 
@@ -65,26 +75,26 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                                  "give one, or one per prompt")
-        ids = []
+        ids: list[list[str]] = []          # per prompt, the request of each of its n samples
         for p, sp in zip(prompts, params):
             if isinstance(p, dict):
                 if "prompt_token_ids" not in p:
                     raise ValueError("a dict prompt must be TokensPrompt(prompt_token_ids=[...])")
-                ids.append(self.engine.add_request(list(p["prompt_token_ids"]), sp))
-            elif isinstance(p, str):
-                ids.append(self.engine.add_request(p, sp))
-            else:
+                p = list(p["prompt_token_ids"])
+            elif not isinstance(p, str):
                 raise TypeError(f"prompt of type {type(p).__name__} is not supported; give a "
                                 "string or TokensPrompt")
+            ids.append([self.engine.add_request(p, s) for s in sp.samples()])
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm or len(ids) < 2)
+        total = sum(map(len, ids))
+        bar = tqdm(total=total, desc="generate", disable=not use_tqdm or total < 2)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)
         bar.close()
-        return [done[i] for i in ids]
+        return [merge_samples([done[i] for i in group]) for group in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

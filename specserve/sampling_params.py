@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -71,9 +72,8 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported; only n=1 (send the request n times "
-                             "with different seeds instead)")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         for name in ("temperature", "top_p", "min_p"):
             _finite(name, getattr(self, name))
         if self.temperature != 0 and not self.temperature >= MIN_TEMPERATURE:
@@ -117,6 +117,14 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of non-empty strings")
         self.stop_strings = stop
         self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def samples(self) -> list[SamplingParams]:
+        """The n independent requests that make up n outputs: sample i seeded seed + i (when a
+        seed is given; else each draws the engine's own)."""
+        if self.n == 1:
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None
+                                    else (self.seed + i) % 2**63) for i in range(self.n)]
 
     @property
     def is_greedy(self) -> bool:

@@ -427,3 +427,21 @@ def test_penalties_and_bias_are_lossless(method, llama_dir, draft_dir):
 def test_bad_penalties_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         _greedy(**kw)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_n_samples_are_seed_plus_i(method, llama_dir, draft_dir):
+    """SamplingParams(n=3, seed=s): three completions, sample i as the request seeded s + i;
+    greedy n gives n equal completions equal to no-spec's."""
+    p = TokensPrompt(prompt_token_ids=repetitive_prompts(1, seed=6)[0])
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config=spec_configs(draft_dir)[method])
+    out = llm.generate(p, SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=20,
+                                         ignore_eos=True), use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    one = [llm.generate(p, SamplingParams(temperature=0.9, seed=11 + i, max_tokens=20,
+                                          ignore_eos=True), use_tqdm=False)[0]
+           .outputs[0].token_ids for i in range(3)]
+    assert [c.token_ids for c in out.outputs] == one and len({tuple(x) for x in one}) > 1
+    ref = LLM(str(llama_dir), device=DEVICE).generate(p, _greedy(), use_tqdm=False)[0]
+    greedy = llm.generate(p, _greedy(n=2), use_tqdm=False)[0]
+    assert [c.token_ids for c in greedy.outputs] == [ref.outputs[0].token_ids] * 2

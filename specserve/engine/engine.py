@@ -212,6 +212,9 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: the engine runs one sample per request; add the "
+                             "requests of SamplingParams.samples() (LLM.generate does)")
         k = params.num_speculative_tokens
         if k and k > self.num_spec_tokens:
             raise ValueError(f"num_speculative_tokens={k} is more than the engine's "

@@ -158,7 +158,7 @@ class _Server:
                 raise APIError(400, f"this model's maximum context length is {limit} tokens, "
                                f"but {len(ids) + max_tokens} were requested ({len(ids)} in the "
                                f"prompt, {max_tokens} for the completion); lower max_tokens")
-            asked += max_tokens
+            asked += max_tokens * req.n
             if asked > self.max_body_tokens:
                 raise APIError(400, f"the request asks for more than {self.max_body_tokens} "
                                "tokens over its prompts (max_tokens x prompts; the server's "
@@ -268,11 +268,12 @@ class _Server:
     async def completions(self, request: Request):
         req: CompletionRequest = await self.parse(request, CompletionRequest)
         prepared = self.prepare(req.prompts(), req)
-        params = [self.params(req, mt, req.logprobs) for _, mt in prepared]
+        # n samples per prompt: choice p * n + i is prompt p's sample i, as OpenAI orders them
+        runs = [(ids, sample) for ids, mt in prepared
+                for sample in self.params(req, mt, req.logprobs).samples()]
         self.check_alive()
         rid, created = new_id("cmpl"), now()
-        gens = [self.run(ids, p, f"{rid}-{i}")
-                for i, ((ids, _), p) in enumerate(zip(prepared, params))]
+        gens = [self.run(ids, p, f"{rid}-{i}") for i, (ids, p) in enumerate(runs)]
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
         if not req.stream:
             outs = await self.collect(request, gens)
@@ -317,6 +318,10 @@ class _Server:
             raise APIError(400, str(e)) from None
         ((ids, max_tokens),) = self.prepare([prompt], req)
         params = self.params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        if params.n != 1:
+            raise APIError(400, f"n={params.n}: chat completions answer with one choice here; "
+                           "send the request n times with different seeds, or use "
+                           "/v1/completions, which takes n")
         self.check_alive()
         rid, created = new_id("chatcmpl"), now()
         gen = self.run(ids, params, rid)

@@ -201,7 +201,7 @@ def test_models_health_metrics(client, server):
     ({"prompt": "hello " * 200, "max_tokens": 1}, 400, "shorten the prompt"),
     ({"prompt": "x", "temperature": -1}, 400, "temperature must be 0 (greedy) or at least"),
     ({"prompt": "x", "model": "gpt-9"}, 404, "the model 'gpt-9' does not exist"),
-    ({"prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    ({"prompt": "x", "n": 0}, 400, "n must be an integer >= 1"),
     ({"prompt": []}, 400, "prompt must not be an empty list"),
     ({"prompt": [1, 99999]}, 400, "outside the vocabulary"),
     ({"prompt": [1, 99999], "stream": True}, 400, "outside the vocabulary"),
@@ -337,3 +337,19 @@ def test_penalties_and_logit_bias_over_http(client):
                         ({"presence_penalty": 5}, "presence_penalty must be in [-2, 2]")):
         with pytest.raises(openai.BadRequestError, match=re.escape(message)):
             client.completions.create(model=NAME, prompt="x", max_tokens=2, **kw)
+
+
+def test_n_samples_per_prompt(client):
+    """n independent samples per prompt (seeds seed + i): choices ordered prompt by prompt,
+    each its own draw, the same again for the same seed; chat refuses n > 1 by name."""
+    r = client.completions.create(model=NAME, prompt=["hello", "world"], max_tokens=8, n=3,
+                                  temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(6))
+    texts = [c.text for c in r.choices]
+    assert len(set(texts[:3])) > 1 and r.usage.completion_tokens == 48
+    again = client.completions.create(model=NAME, prompt=["hello", "world"], max_tokens=8, n=3,
+                                      temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == texts
+    with pytest.raises(openai.BadRequestError, match="chat completions answer with one choice"):
+        client.chat.completions.create(model=NAME, n=2, max_tokens=2,
+                                       messages=[{"role": "user", "content": "hi"}])
