@@ -33,3 +33,5 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)   # arrival/first token/finish times
     error: str | None = None      # set when the engine aborted this request alone (its fault)
     num_cached_tokens: int = 0    # prompt tokens whose KV came from the prefix cache
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token: logprob}
+    prompt_logprobs: list[dict[int, float] | None] | None = None

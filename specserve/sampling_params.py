@@ -68,6 +68,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0      # [-2, 2]: minus this times its count in the output
     repetition_penalty: float = 1.0     # > 0: logits of prompt and output tokens divided by it
     logit_bias: dict[int, float] | None = None     # token id -> added to its logit, [-100, 100]
+    # log-probabilities of the prompt's tokens (each given the ones before it) and the top N;
+    # the prompt is then computed whole, never taken from the prefix cache
+    prompt_logprobs: int | None = None
 
     stop_strings: list[str] = field(init=False, repr=False)
 
@@ -91,8 +94,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         k = self.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError("num_speculative_tokens must be an integer >= 0 (0: no speculation "

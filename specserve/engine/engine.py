@@ -144,6 +144,8 @@ class LLMEngine:
 
     def _admit(self, req: Request) -> None:
         """A request got its slot: start it after the longest cached prefix of its prompt."""
+        if req.prompt_logprobs is not None:          # every prompt position is needed
+            return
         n = self.prefix_cache.lookup(req.prompt_token_ids, req.slot)
         if n:
             req.num_computed_tokens = req.num_cached_tokens = n
@@ -273,6 +275,7 @@ class LLMEngine:
             b.num_new_tokens == 1 + b.num_spec_tokens for b in batch)
         step_k = max(b.request.spec_budget for b in batch) if timed else 0
         out = self.runner.execute(batch)
+        self._prompt_logprobs(batch, out)
         sampled = [(i, b) for i, b in enumerate(batch) if b.num_sample_rows]
         if sampled:
             vreqs = [VerifyRequest(b.request.spec_token_ids[:b.num_spec_tokens],
@@ -324,6 +327,24 @@ class LLMEngine:
         # after drafting, which may fail a request too
         return [self._output(b.request) for b in batch
                 if b.num_sample_rows or b.request.is_finished]
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, batch: list[ScheduledRequest], out: RunnerOutput) -> None:
+        """Log-probabilities of the prompt tokens this step's rows predict (the row of position
+        p gives token p + 1's), for the requests that asked."""
+        for i, b in enumerate(batch):
+            r = b.request
+            P = r.num_prompt_tokens
+            if r.prompt_logprobs is None or len(r.prompt_logprobs) >= P:
+                continue
+            start = out.starts[i]
+            end = min(start + b.num_new_tokens - b.num_spec_tokens, P - 1)   # positions < end
+            if end <= start:
+                continue
+            rows = out.hidden[out.cu_num_tokens[i]:out.cu_num_tokens[i] + end - start]
+            r.prompt_logprobs.extend(token_logprobs(
+                self.model.compute_logits(rows), r.prompt_token_ids[start + 1:end + 1],
+                r.params.prompt_logprobs))
 
     @torch.inference_mode()
     def _process_rows(self, sampled: list[tuple[int, ScheduledRequest]],
@@ -546,7 +567,7 @@ class LLMEngine:
             metrics["finish_time"] = req.finish_time
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp],
                              req.is_finished, req.spec_metrics if self.spec else None, metrics,
-                             req.error, req.num_cached_tokens)
+                             req.error, req.num_cached_tokens, req.prompt_logprobs)
 
     def reset_proposer(self) -> None:
         """Forget what the proposer kept across requests (a benchmark repeating its prompts)."""

@@ -51,12 +51,16 @@ class Request:
     num_cached_tokens: int = 0          # prompt tokens whose KV came from the prefix cache
     prompt_stored: bool = False         # its prompt's blocks are in the prefix cache
     grammar: Any = None                 # structured output: its llguidance matcher
+    # SamplingParams.prompt_logprobs: None for the first token, then one dict per prompt token
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     finish_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     @property
     def num_tokens(self) -> int:

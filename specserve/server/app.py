@@ -7,6 +7,7 @@ once the engine itself has stopped, every request gets a 503 at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import logging
 import time
@@ -270,18 +271,21 @@ class _Server:
         prepared = self.prepare(req.prompts(), req)
         # n samples per prompt: choice p * n + i is prompt p's sample i, as OpenAI orders them
         runs = [(ids, sample) for ids, mt in prepared
-                for sample in self.params(req, mt, req.logprobs).samples()]
+                for sample in self.params(req, max(mt, 1), req.logprobs).samples()]
+        if req.echo and req.logprobs is not None:        # the prompt's own log-probabilities
+            runs = [(ids, dataclasses.replace(p, prompt_logprobs=req.logprobs))
+                    for ids, p in runs]
         self.check_alive()
         rid, created = new_id("cmpl"), now()
         gens = [self.run(ids, p, f"{rid}-{i}") for i, (ids, p) in enumerate(runs)]
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
         if not req.stream:
             outs = await self.collect(request, gens)
-            choices = [{"index": i, "text": o.outputs[0].text,
-                        "logprobs": responses.completion_logprobs(
-                            o.outputs[0].token_ids, o.outputs[0].logprobs, self.decode),
-                        "finish_reason": o.outputs[0].finish_reason,
-                        "stop_reason": o.outputs[0].stop_reason} for i, o in enumerate(outs)]
+            if req.max_tokens == 0:          # echo of the prompt alone: the token made is dropped
+                outs = [dataclasses.replace(o, outputs=[dataclasses.replace(
+                    o.outputs[0], text="", token_ids=[], logprobs=(
+                        None if o.outputs[0].logprobs is None else []))]) for o in outs]
+            choices = [self.completion_choice(i, o, req.echo) for i, o in enumerate(outs)]
             body = head | {"choices": choices, "usage": responses.usage(outs)}
             if req.include_spec_metrics:
                 body["spec_metrics"] = [responses.spec_metrics(o) for o in outs]
@@ -308,6 +312,18 @@ class _Server:
             if req.stream_options and req.stream_options.include_usage:
                 yield head | {"choices": [], "usage": responses.usage(finals)}
         return self.stream(chunks())
+
+    def completion_choice(self, i: int, o: RequestOutput, echo: bool) -> dict:
+        c = o.outputs[0]
+        text, ids, lps = c.text, c.token_ids, c.logprobs
+        if echo:                             # the prompt first, with its own log-probabilities
+            tok = self.engine.tokenizer
+            text = (tok.decode(o.prompt_token_ids, skip_special_tokens=False) if tok else "") + text
+            ids = o.prompt_token_ids + ids
+            lps = None if lps is None else (o.prompt_logprobs or []) + lps
+        return {"index": i, "text": text,
+                "logprobs": responses.completion_logprobs(ids, lps, self.decode),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
     async def chat_completions(self, request: Request):
         req: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)

@@ -89,6 +89,8 @@ class _SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _checks(self):
+        if self.max_tokens == 0 and getattr(self, "echo", False):
+            return self                  # the prompt's log-probabilities only (echo)
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         return self
@@ -151,8 +153,8 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_completion(self):
-        if self.echo:
-            raise ValueError("echo=true is not supported")
+        if self.echo and self.stream:
+            raise ValueError("echo is for non-streamed completions; drop stream or echo")
         if self.best_of not in (None, 1):
             raise ValueError("best_of must be 1")
         if self.suffix:

@@ -15,9 +15,10 @@ def completion_logprobs(token_ids: list[int], lps: list[dict[int, float]] | None
     if lps is None:
         return None
     toks = token_ids[:len(lps)]
-    return {"tokens": [dec(t) for t in toks],
-            "token_logprobs": [lp[t] for t, lp in zip(toks, lps)],
-            "top_logprobs": [{dec(k): v for k, v in lp.items()} for lp in lps],
+    return {"tokens": [dec(t) for t in toks],         # an echoed prompt's first entry is None
+            "token_logprobs": [None if lp is None else lp[t] for t, lp in zip(toks, lps)],
+            "top_logprobs": [None if lp is None else {dec(k): v for k, v in lp.items()}
+                             for lp in lps],
             "text_offset": []}
 
 

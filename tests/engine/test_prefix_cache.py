@@ -176,3 +176,16 @@ def test_a_drafter_that_needs_every_position_turns_caching_off(llama_dir, tmp_pa
 def test_bad_budget_is_refused(llama_dir, bad):
     with pytest.raises(ValueError, match="prefix_caching_max_tokens must be >= 1"):
         _llm(llama_dir, None, prefix_caching_max_tokens=bad)
+
+
+def test_prompt_logprobs_compute_the_whole_prompt(llama_dir):
+    """A request asking for its prompt's log-probabilities is never served from the cache,
+    and its values equal those of an engine without caching."""
+    llm = _llm(llama_dir, None)
+    p = TokensPrompt(prompt_token_ids=PREFIX)
+    llm.generate(p, GREEDY, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
+    out = llm.generate(p, params, use_tqdm=False)[0]
+    ref = _llm(llama_dir, None, enable_prefix_caching=False).generate(p, params, use_tqdm=False)
+    assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(PREFIX)
+    assert out.prompt_logprobs == ref[0].prompt_logprobs

@@ -353,3 +353,37 @@ def test_n_samples_per_prompt(client):
     with pytest.raises(openai.BadRequestError, match="chat completions answer with one choice"):
         client.chat.completions.create(model=NAME, n=2, max_tokens=2,
                                        messages=[{"role": "user", "content": "hi"}])
+
+
+def test_loglikelihood_requests_equal_transformers_on_smollm2(smollm2):
+    """What lm-evaluation-harness's local-completions sends for log-likelihood tasks (echo,
+    logprobs, max_tokens 0): the prompt's token log-probabilities, equal to transformers' own
+    load of the GGUF within 1e-3 per token; with speculation on, the same."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    text = "The capital of France is Paris. The capital of Italy is Rome."
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with live_server(smollm2, spec=spec, max_num_seqs=2, max_model_len=256) as (base, eng, _):
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        r = c.completions.create(model=NAME, prompt=text, echo=True, logprobs=1, max_tokens=0)
+        ids = eng.prompt_ids(text)
+    choice = r.choices[0]
+    assert choice.text == text and r.usage.completion_tokens == 0
+    got = choice.logprobs.token_logprobs
+    assert got[0] is None and len(got) == len(ids)
+    ref_model = AutoModelForCausalLM.from_pretrained(
+        smollm2.parent, gguf_file=smollm2.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        lp = ref_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    ref = [float(lp[i, ids[i + 1]]) for i in range(len(ids) - 1)]
+    assert max(abs(a - b) for a, b in zip(got[1:], ref)) < 1e-3
+
+
+def test_echo_with_a_completion(client):
+    r = client.completions.create(model=NAME, prompt="hello", echo=True, logprobs=0,
+                                  max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text.startswith("hello") and lp.token_logprobs[0] is None
+    assert len(lp.tokens) == r.usage.prompt_tokens + 3
+    with pytest.raises(openai.BadRequestError, match="echo is for non-streamed completions"):
+        client.completions.create(model=NAME, prompt="x", echo=True, stream=True, max_tokens=2)
