@@ -445,3 +445,14 @@ def test_n_samples_are_seed_plus_i(method, llama_dir, draft_dir):
     ref = LLM(str(llama_dir), device=DEVICE).generate(p, _greedy(), use_tqdm=False)[0]
     greedy = llm.generate(p, _greedy(n=2), use_tqdm=False)[0]
     assert [c.token_ids for c in greedy.outputs] == [ref.outputs[0].token_ids] * 2
+
+
+def test_logprobs_are_the_models_under_penalties(llama_dir):
+    """logprobs report the model's distribution (vLLM's default), not the penalized one."""
+    p = TokensPrompt(prompt_token_ids=repetitive_prompts(1, seed=8)[0])
+    llm = LLM(str(llama_dir), device=DEVICE)
+    plain = llm.generate(p, _greedy(max_tokens=1, logprobs=0), use_tqdm=False)[0].outputs[0]
+    biased = llm.generate(p, _greedy(max_tokens=1, logprobs=0, logit_bias={3: 50.0}),
+                          use_tqdm=False)[0].outputs[0]
+    assert biased.token_ids == [3] != plain.token_ids
+    assert biased.logprobs[0][3] < plain.logprobs[0][plain.token_ids[0]]

@@ -283,13 +283,13 @@ class LLMEngine:
                                    b.request.generator,
                                    b.request.spec_parents if b.num_spec_tokens else None)
                      for _, b in sampled]
-            self._process_rows(sampled, vreqs, out.logits)
+            raw = self._process_rows(sampled, vreqs, out.logits)
             errors: dict[int, Exception] = {}
             tokens = verify(out.logits, vreqs, self.verify_method, self.synthetic_rates,
                             errors).tolist()
             row = 0
             for n, ((i, b), v, toks) in enumerate(zip(sampled, vreqs, tokens)):
-                logits = out.logits[row:row + b.num_sample_rows]
+                logits = raw.get(n, out.logits[row:row + b.num_sample_rows])
                 row += b.num_sample_rows
                 if n in errors:
                     self._fail(b.request, "verification", errors[n])
@@ -348,17 +348,23 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _process_rows(self, sampled: list[tuple[int, ScheduledRequest]],
-                      vreqs: list[VerifyRequest], logits: torch.Tensor) -> None:
-        """logit_bias, penalties and grammar masks on each request's verify rows, in place."""
-        row = 0
-        for (_, b), v in zip(sampled, vreqs):
+                      vreqs: list[VerifyRequest], logits: torch.Tensor
+                      ) -> dict[int, torch.Tensor]:
+        """logit_bias, penalties and grammar masks on each request's verify rows, in place;
+        returns the rows as they were of the processed requests that want logprobs (which are
+        the model's, as vLLM returns them), by their place in `sampled`."""
+        row, raw = 0, {}
+        for n, ((_, b), v) in enumerate(zip(sampled, vreqs)):
             r, rows = b.request, logits[row:row + b.num_sample_rows]
+            if r.logprobs is not None and (needs_processing(r.params) or r.grammar is not None):
+                raw[n] = rows.clone()
             if needs_processing(r.params):
                 apply_penalties(rows, r.params, r.prompt_token_ids, r.output_token_ids,
                                 draft_paths(v.draft_token_ids, v.parents))
             if r.grammar is not None:
                 self.grammars.mask_rows(r.grammar, rows, v.draft_token_ids, v.parents)
             row += b.num_sample_rows
+        return raw
 
     @torch.inference_mode()
     def _settle_tree(self, i: int, b: ScheduledRequest, v: VerifyRequest, tokens: list[int],
