@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,8 @@ from specserve.engine.structured_output import Grammars
 from tests.conftest import DEVICE, make_hf_model
 from tests.methods.test_dflash import make_dflash
 from tests.methods.test_heads import eagle3_ckpt
+from tests.methods.test_pard import _with_mask
+from tests.methods.test_peagle import make_peagle
 
 SCHEMA = {"type": "object", "properties": {
     "a": {"enum": [1, 2, 3]}, "b": {"type": "boolean"}, "c": {"type": "string", "maxLength": 5},
@@ -28,6 +31,22 @@ def valid(text: str) -> bool:
     return (set(obj) == {"a", "b", "c", "d"} and obj["a"] in (1, 2, 3)
             and isinstance(obj["b"], bool) and isinstance(obj["c"], str) and len(obj["c"]) <= 5
             and len(obj["d"]) <= 3 and all(isinstance(x, int) and 0 <= x <= 99 for x in obj["d"]))
+
+
+def random_head(method: str, target_dir, out):
+    """A random head of `method` for the target in `target_dir`, written in its format."""
+    from specserve import methods
+    from specserve.models.loader import load_model
+    torch.manual_seed(0)
+    target = load_model(target_dir, torch.float32, torch.device("cpu"))
+    spec = methods.get(method)
+    head = spec.new_head(target, 3, None, np.ones(target.args.vocab_size, dtype=np.int64))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad and p.dim() >= 2:
+                p.normal_(0, 0.15)
+    spec.write(head, out, target_dir, torch.float32)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +65,13 @@ def specs(text_model_dir, tmp_path_factory):
             "eagle3_tree": {"method": "eagle3", "model": str(e3), "num_speculative_tokens": 4,
                             "speculative_token_tree": "[(0,), (1,), (0, 0), (0, 0, 0)]"},
             "dflash": {"method": "dflash",
-                       "model": str(make_dflash(text_model_dir, root / "dflash", mask=V - 2))}}
+                       "model": str(make_dflash(text_model_dir, root / "dflash", mask=V - 2))},
+            "pard": {"method": "draft_model", "parallel_drafting": True,
+                     "model": str(_with_mask(root / "draft", root / "pard", mask=V - 2))},
+            "peagle": {"method": "eagle3", "parallel_drafting": True,
+                       "model": str(make_peagle(text_model_dir, root / "peagle", mask=V - 2))},
+            **{m: {"method": m, "model": str(random_head(m, text_model_dir, root / m))}
+               for m in ("eagle", "medusa", "mlp_speculator", "mtp")}}
 
 
 def _llm(model, spec):
@@ -60,7 +85,8 @@ def _params(**kw) -> SamplingParams:
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "suffix", "draft_model", "self_draft",
-                                  "eagle3", "eagle3_tree", "dflash"])
+                                  "eagle3", "eagle3_tree", "dflash", "eagle", "medusa",
+                                  "mlp_speculator", "mtp", "pard", "peagle"])
 def test_schema_valid_and_greedy_equal_to_no_spec(name, specs, text_model_dir):
     ref = [o.outputs[0] for o in _llm(text_model_dir, None).generate(
         PROMPTS, _params(), use_tqdm=False)]
