@@ -22,8 +22,10 @@ def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict
         raise SystemExit(f"unknown method {method!r}; choose from "
                          f"{', '.join(methods.REGISTRY)}") from None
     spec = {"method": m.name, "num_speculative_tokens": k} | m.suggested
-    if m.model_is_target:                       # the zoo's target with its own head in it
+    if m.model_is_target and Path(target).is_dir():   # the zoo's target with its head in it
         return head_dir(target, m.name), spec
+    if m.model_is_target:                       # a layer written beside a GGUF target
+        return target, spec | {"model": head_dir(target, m.name)}
     if m.reads_hidden_states:                   # the zoo's head for the target
         return target, spec | {"model": head_dir(target, m.name)}
     if m.needs_model:

@@ -445,8 +445,9 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None,
     app.add_exception_handler(APIError, lambda _r, e: e.response())
     app.add_exception_handler(404, lambda r, _e: JSONResponse(
         error_body(f"no route {r.url.path}", "not_found_error"), 404))
-    app.add_exception_handler(405, lambda r, _e: JSONResponse(
-        error_body(f"method {r.method} is not allowed on {r.url.path}"), 405))
+    app.add_exception_handler(405, lambda r, e: JSONResponse(
+        error_body(f"method {r.method} is not allowed on {r.url.path}"), 405,
+        headers=getattr(e, "headers", None)))       # Starlette's carries Allow
 
     def internal_error(_r: Request, e: Exception) -> JSONResponse:
         logger.error("unhandled error", exc_info=e)

@@ -404,6 +404,9 @@ MANIFEST_STAGES = {
     "smollm2-135m-instruct-eagle3": "eagle3 head for SmolLM2-135M-Instruct: specserve train "
                                     "chat-data, then train eagle3 --hidden-states "
                                     "(benchmarks/README.md)",
+    "smollm2-135m-instruct-mtp": "mtp layer for the frozen SmolLM2-135M-Instruct (its "
+                                 "embedding and lm_head shared): specserve train chat-data, "
+                                 "then train mtp --hidden-states (benchmarks/README.md)",
 }
 
 

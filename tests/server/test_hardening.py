@@ -401,3 +401,9 @@ def test_a_dead_engine_answers_503_at_once(text_model_dir, make_client, monkeypa
     assert h.status_code == 503 and "RuntimeError" in h.json()["error"]["message"]
     assert 'specserve:engine_alive{model_name="tiny"} 0.0' in c.get("/metrics").text
     assert "/secret" not in h.text + first.text
+
+
+def test_a_405_says_which_methods_are_allowed(client):
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert "method GET is not allowed" in r.json()["error"]["message"]
