@@ -507,12 +507,13 @@ class LLMEngine:
             if r.is_finished or r.num_computed_tokens != r.num_tokens - 1:
                 continue
             num_decoding += 1
-            own = r.params.num_speculative_tokens
-            room = min(k if own is None else min(k, own), r.max_new_tokens - 1)
+            own = r.params.num_speculative_tokens          # the request's own K, if any
+            cap = k if own is None else min(k, own)
+            room = min(cap, r.max_new_tokens - 1)
             if self.draft_max_len is not None:      # drafts stay inside the drafter's context
                 room = min(room, self.draft_max_len - r.num_tokens + 1)
             if room > 0:
-                r.spec_budget = k if own is None else min(k, own)
+                r.spec_budget = cap
                 reqs.append(r)
                 budgets.append(room)
         try:
