@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--configs", default='{"ngram": {"method": "ngram", "num_speculative_tokens": '
                    '3}, "eagle3": {"model": "smollm2-135m-instruct-eagle3", '
-                   '"num_speculative_tokens": 2}}',
+                   '"num_speculative_tokens": 2}, "auto": {"method": "auto"}}',
                    help="JSON: name -> speculative_config of each configuration beside no-spec")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
