@@ -39,8 +39,10 @@ class PrefixCache:
         self.num_blocks = max(1, max_tokens // block_size)
         # blocks a slot can hold in every cache (a draft model's context may be shorter)
         self.max_blocks = min(c.max_len for c in caches) // block_size
-        # per cache, per layer: (keys, values), each [num_blocks, kv_heads, block_size, head_dim]
-        self.pools = [[tuple(torch.zeros((self.num_blocks, *k.shape[1:2], block_size,
+        # per cache, per layer: (keys, values), each [num_blocks, kv_heads, block_size, head_dim];
+        # empty, not zeroed: a block is written before it is read, and memory never written
+        # stays unallocated (the whole pool is hundreds of MB for a real model)
+        self.pools = [[tuple(torch.empty((self.num_blocks, *k.shape[1:2], block_size,
                                           k.shape[-1]), dtype=k.dtype, device=k.device)
                              for _ in range(2)) for k, _ in c.layers] for c in caches]
         self.blocks: OrderedDict[_Key, tuple[int, int]] = OrderedDict()  # -> (id, pool index)
