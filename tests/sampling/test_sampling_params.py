@@ -9,7 +9,7 @@ from specserve import SamplingParams
     ({"top_k": 0}, "top_k must be -1"),
     ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
-    ({"n": 2}, "n=2 is not supported"),
+    ({"n": 0}, "n must be an integer >= 1"),
     ({"logprobs": 50}, r"logprobs must be in \[0, 20\]"),
     ({"stop": [""]}, "stop must be a non-empty string"),
 ])
