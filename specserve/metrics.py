@@ -159,10 +159,15 @@ class _EngineCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         eng, m, p = self.owner.engine, self.owner.model_name, PrometheusMetrics.PREFIX
         s: SpecDecodingStats = eng.spec_stats
-        for name, value, doc in (
-                ("spec_decode_num_drafts", s.num_drafts, "Verify steps with drafts"),
-                ("spec_decode_num_draft_tokens", s.num_draft_tokens, "Draft tokens proposed"),
-                ("spec_decode_num_accepted_tokens", s.num_accepted_tokens, "Draft tokens accepted")):
+        pc = eng.prefix_cache
+        counters = [
+            ("spec_decode_num_drafts", s.num_drafts, "Verify steps with drafts"),
+            ("spec_decode_num_draft_tokens", s.num_draft_tokens, "Draft tokens proposed"),
+            ("spec_decode_num_accepted_tokens", s.num_accepted_tokens, "Draft tokens accepted"),
+        ] + ([("prefix_cache_queries", pc.queries, "Prompt tokens looked up in the prefix cache"),
+              ("prefix_cache_hits", pc.hits, "Prompt tokens whose KV the prefix cache gave")]
+             if pc is not None else [])
+        for name, value, doc in counters:
             c = CounterMetricFamily(p + name, doc, labels=["model_name"])
             c.add_metric([m], value)
             yield c
@@ -171,16 +176,6 @@ class _EngineCollector:
         for pos, value in enumerate(s.num_accepted_tokens_per_pos):
             c.add_metric([m, str(pos)], value)
         yield c
-        pc = eng.prefix_cache
-        if pc is not None:
-            for name, value, doc in (
-                    ("prefix_cache_queries", pc.queries, "Prompt tokens looked up in the prefix "
-                                                         "cache"),
-                    ("prefix_cache_hits", pc.hits, "Prompt tokens whose KV the prefix cache "
-                                                   "gave")):
-                c = CounterMetricFamily(p + name, doc, labels=["model_name"])
-                c.add_metric([m], value)
-                yield c
         for name, value in (("num_requests_running", len(eng.scheduler.running)),
                             ("num_requests_waiting", len(eng.scheduler.waiting))):
             g = GaugeMetricFamily(p + name, name.replace("_", " "), labels=["model_name"])

@@ -16,6 +16,7 @@ import email.message
 import inspect
 import json
 import statistics
+import time
 
 from specserve.bench import report
 from specserve.bench.probes import machine
@@ -56,6 +57,28 @@ def run_workload(llm: LLM, conversations: list[list[dict]], carry: bool,
         if carry:
             history = messages + [{"role": "assistant", "content": out.outputs[0].text}]
     return rows
+
+
+def copy_ms(llm: LLM, prompt: list[int], repeats: int = 7) -> dict:
+    """The cache's own cost for `prompt` (median ms of `repeats`): copying its cached blocks into
+    a free slot of every cache (target and drafter), and storing them from there. The engine
+    must be idle with the prompt's blocks cached."""
+    pc, cache = llm.engine.prefix_cache, llm.engine.cache
+    slot = cache.allocate()
+    copy, store, n = [], [], 0
+    try:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            n = pc.lookup(prompt, slot)
+            copy.append(time.perf_counter() - t)
+            pc.reset()
+            t = time.perf_counter()
+            pc.insert(prompt, len(prompt), slot)
+            store.append(time.perf_counter() - t)
+    finally:
+        cache.free(slot)
+    return {"positions": n, "copy_ms": 1e3 * statistics.median(copy),
+            "store_ms": 1e3 * statistics.median(store)}
 
 
 def main(argv: list[str]) -> None:
@@ -119,10 +142,18 @@ def main(argv: list[str]) -> None:
         print(f"{name}: hit rate {results[name]['hit_rate']:.0%}, later/first "
               f"{results[name]['later_over_first_on']:.3f}, outputs equal "
               f"{results[name]['outputs_equal']}", flush=True)
+    # the copy itself, on the document's first request, its blocks cached by the last round
+    on = engines[True]
+    first = workloads["shared document"][0][0]
+    ids = on.engine.prompt_ids(on.engine.chat_prompt(first))
+    on.chat([first], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    cost = copy_ms(on, ids)
+    print(f"copying {cost['positions']} cached positions: {cost['copy_ms']:.1f} ms; storing "
+          f"them: {cost['store_ms']:.1f} ms", flush=True)
     data = {"benchmark": "prefix", "title": a.title, "command": "specserve bench " + " ".join(argv),
             "machine": machine(),
             "settings": {"target": a.target, "speculative_config": spec, "dtype": a.dtype,
                          "document_tokens": a.document_tokens, "requests": a.requests,
                          "turns": a.turns, "max_tokens": a.max_tokens, "rounds": a.rounds},
-            "workloads": results}
+            "workloads": results, "prefix_copy": cost}
     print(report.save(data, a.out, a.publish))

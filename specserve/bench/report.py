@@ -207,7 +207,13 @@ def _prefix_markdown(data: dict) -> list[str]:
     lines = [f"- {s['target']}, {s['dtype']}, speculative_config "
              f"`{json.dumps(s['speculative_config'])}`; requests sent one at a time, greedy, "
              f"{s['max_tokens']} tokens each; median of {s['rounds']} interleaved rounds, each "
-             "starting with an empty prefix cache", ""]
+             "starting with an empty prefix cache"]
+    if "prefix_copy" in data:
+        c = data["prefix_copy"]
+        lines.append(f"- the cache's own cost: copying {c['positions']} cached positions into a "
+                     f"request's slot (every cache) {c['copy_ms']:.1f} ms, storing them "
+                     f"{c['store_ms']:.1f} ms (medians of 7)")
+    lines.append("")
     for name, w in data["workloads"].items():
         ratio = w["later_over_first_on"]
         later = ("" if ratio is None else f"later requests' TTFT {ratio:.3f}x the first's "

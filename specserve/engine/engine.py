@@ -204,6 +204,24 @@ class LLMEngine:
                              "that at least one token can be generated")
         return ids
 
+    def check_params(self, params: SamplingParams, whose_k: str = "the engine's"):
+        """What of `params` only this engine can check (ValueError with the fix: the server's
+        400 text): K at most its own, token ids inside its vocabulary, the grammar. Returns
+        the grammar's matcher (None without structured output)."""
+        k = params.num_speculative_tokens
+        if k and k > self.num_spec_tokens:
+            raise ValueError(f"num_speculative_tokens={k} is more than {whose_k} "
+                             f"{self.num_spec_tokens} (speculative_config "
+                             "num_speculative_tokens); give at most that, or 0 for none")
+        for what, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias keys", list(params.logit_bias or ()))):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, "
+                                 f"{self.vocab_size})")
+        so = params.structured_outputs
+        return self.grammars.matcher(so) if so is not None else None
+
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """A conversation rendered with the model's chat template (ValueError when it has
         none)."""
@@ -217,20 +235,8 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError(f"n={params.n}: the engine runs one sample per request; add the "
                              "requests of SamplingParams.samples() (LLM.generate does)")
-        k = params.num_speculative_tokens
-        if k and k > self.num_spec_tokens:
-            raise ValueError(f"num_speculative_tokens={k} is more than the engine's "
-                             f"{self.num_spec_tokens} (speculative_config "
-                             "num_speculative_tokens); give at most that, or 0 for none")
-        for what, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias keys", list(params.logit_bias or ()))):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{what} {bad[:5]} are outside the vocabulary [0, "
-                                 f"{self.vocab_size})")
+        grammar = self.check_params(params)
         ids = self.prompt_ids(prompt)
-        grammar = (self.grammars.matcher(params.structured_outputs)
-                   if params.structured_outputs is not None else None)
         text = prompt if isinstance(prompt, str) else None
         n = next(self._ids)
         rid = request_id if request_id is not None else str(n)

@@ -73,14 +73,19 @@ def head_methods() -> tuple[str, ...]:
     return tuple(n for n, s in REGISTRY.items() if s.new_head is not None)
 
 
+def _has_mtp_layers(target: str | None) -> bool:
+    """Whether a target directory's config counts MTP layers of its own."""
+    return bool(target is not None and (Path(target) / "config.json").is_file()
+                and mtp.SPEC.default_k(target))
+
+
 def detect_method(model: str | None, target: str | None = None) -> str:
     """The method, in vLLM's order: a dotted import path is a custom class; "ngram" is ngram;
     a checkpoint by its config.json (speculators_model_type, model_type, architectures), then
     its directory name; no model with a target that has MTP layers is mtp; a plain LM is a
     draft model."""
     if model is None:
-        if (target is not None and (Path(target) / "config.json").is_file()
-                and mtp.SPEC.default_k(target)):            # the target has MTP layers
+        if _has_mtp_layers(target):
             return mtp.SPEC.name
         raise ValueError("speculative_config needs 'method' (one of "
                          f"{', '.join(REGISTRY)}) or 'model'")
@@ -120,7 +125,7 @@ def _choose_auto(config: SpeculativeConfig, target: str | None) -> None:
     if config.model:
         config.method = detect_method(config.model, target)
         why = f"{config.method}: the drafter given ({config.model})"
-    elif target and (Path(target) / "config.json").is_file() and mtp.SPEC.default_k(target):
+    elif _has_mtp_layers(target):
         config.method, why = mtp.SPEC.name, "mtp: the target's own MTP layers"
     elif any(m in bundled for m in AUTO_ORDER):
         config.method = next(m for m in AUTO_ORDER if m in bundled)
@@ -131,11 +136,6 @@ def _choose_auto(config: SpeculativeConfig, target: str | None) -> None:
     if config.method != ngram.SPEC.name:
         config.hybrid_prompt_lookup = config.hybrid_prompt_lookup or 2
         why += ", prompt lookup for requests that repeat their context"
-    spec = get(config.method)
-    checkpoint = config.model or (target if spec.model_is_target else None)
-    if config.num_speculative_tokens is None and not (
-            spec.default_k and checkpoint and spec.default_k(checkpoint)):
-        config.num_speculative_tokens = AUTO_K
     config.adaptive_k = True
     config.auto_choice = why + "; K per step from measured acceptance and step times"
 
@@ -165,7 +165,8 @@ def resolve(config: SpeculativeConfig, target: str | None = None) -> Speculative
                  if spec.default_k is not None and checkpoint is not None
                  and (config.num_speculative_tokens is None or not spec.recurrent) else None)
     if config.num_speculative_tokens is None:
-        config.num_speculative_tokens = n_predict
+        # "auto" takes AUTO_K where its drafter's checkpoint gives no K
+        config.num_speculative_tokens = n_predict or (AUTO_K if config.auto_choice else None)
         if config.num_speculative_tokens is None:
             raise ValueError("speculative_config needs 'num_speculative_tokens' (an int > 0)"
                              + (f"; {checkpoint} does not give one" if spec.default_k else ""))

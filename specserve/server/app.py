@@ -169,7 +169,7 @@ class _Server:
         return out
 
     def params(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        c, vocab = self.config, self.engine.vocab_size
+        c = self.config
         stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
         for what, items in (("stop strings", stops), ("stop_token_ids", req.stop_token_ids or [])):
             if len(items) > c.max_stop:
@@ -178,20 +178,9 @@ class _Server:
         if any(len(s) > c.max_stop_chars for s in stops):
             raise APIError(400, f"a stop string is longer than {c.max_stop_chars} characters "
                            "(the server's --max-stop-chars); shorten it")
-        for what, ids in (("stop_token_ids", req.stop_token_ids or []),
-                          ("logit_bias keys", [int(k) for k in req.logit_bias or {}
-                                               if k.isdigit()])):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise APIError(400, f"{what} {bad[:5]} are outside the vocabulary [0, {vocab})")
-        k = req.num_speculative_tokens
-        if k and k > self.engine.num_spec_tokens:
-            raise APIError(400, f"num_speculative_tokens={k} is more than this server's "
-                           f"{self.engine.num_spec_tokens}; give at most that, or 0 for none")
         try:
             params = req.sampling_params(max_tokens, logprobs)
-            if params.structured_outputs is not None:         # a bad grammar: the client's
-                self.engine.grammars.matcher(params.structured_outputs)
+            self.engine.check_params(params, "this server's")   # here, not in the engine loop
             return params
         except ValueError as e:
             raise APIError(400, str(e)) from None
