@@ -140,6 +140,9 @@ def test_eviction_under_pressure_keeps_every_request_correct(llama_dir, drafters
     assert [_summary(o) for o in out] == [_summary(o) for o in ref]
     pc = llm.engine.prefix_cache
     assert len(pc.blocks) <= 3 and llm.get_stats()["prefix_cache_hits"] > 0
+    # eviction did happen: the pool filled, and the prefix request 0 stored (3 blocks with its
+    # answer) was pushed out by requests 1 and 2 before request 3 came with it again
+    assert not pc.free and out[3].num_cached_tokens == 0
 
 
 def test_seeded_sampling_is_unchanged_by_hits(drafters):
