@@ -12,7 +12,13 @@ import torch
 from torch import nn
 
 from specserve.config import resolve_dtype
-from specserve.kernels.cpu import HeadChain, LlamaChain, LlamaForward, cpu_features, max_rows
+from specserve.kernels.cpu import (
+    HeadChain,
+    LlamaChain,
+    LlamaForward,
+    cpu_features,
+    max_rows,
+)
 from specserve.kv_cache import KVCache
 from specserve.models.cpu_backend import (
     DecodeLinear,
@@ -20,7 +26,7 @@ from specserve.models.cpu_backend import (
     llama_forward,
     use_decode_linears,
 )
-from specserve.models.cuda_graphs import CudaGraphs
+from specserve.models.cuda_graphs import CudaGraphs, HeadChainGraphs
 from specserve.models.layers import model_tensor
 from specserve.models.llama import LlamaForCausalLM
 
@@ -46,6 +52,11 @@ class Backend:
         """CUDA graphs of `model`'s few-row cached steps over `cache`, or None (eager)."""
         return CudaGraphs(model, cache, max_batch) if self.cuda_graphs else None
 
+    def head_graphs(self, head: nn.Module, cache: KVCache, max_batch: int
+                    ) -> HeadChainGraphs | None:
+        """CUDA graphs of a prepared head's greedy draft chains over `cache`, or None (eager)."""
+        return HeadChainGraphs(head, cache, max_batch) if self.cuda_graphs else None
+
     def chain(self, model: nn.Module, caches: list[tuple[torch.Tensor, torch.Tensor]]
               ) -> LlamaChain | HeadChain | None:
         """Greedy chain drafting in one compiled call per step for a prepared draft model or
@@ -63,8 +74,10 @@ class Backend:
         """Which path a prepared model's steps take (the engine logs it)."""
         w = model_tensor(model)
         if w.device.type != "cpu":
-            graphed = self.cuda_graphs and isinstance(model, LlamaForCausalLM)   # heads: eager
-            return f"{w.device.type} ({'CUDA graphs' if graphed else 'eager'})"
+            if not self.cuda_graphs:
+                return f"{w.device.type} (eager)"
+            whole = isinstance(model, LlamaForCausalLM)     # a head: its greedy chains
+            return f"{w.device.type} (CUDA graphs{'' if whole else ' of greedy chains'})"
         linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
         lib = next((m.lib for m in linears if m.lib is not None), None)
         if lib is not None:

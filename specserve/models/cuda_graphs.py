@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from specserve.kv_cache import KVCache
-from specserve.models.layers import AttentionMetadata
+from specserve.models.layers import AttentionMetadata, model_tensor
 
 
 def _buckets(limit: int, first: int) -> list[int]:
@@ -101,3 +101,84 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = step()
         return graph, inputs, outputs
+
+
+class HeadChainGraphs:
+    """Greedy draft chains of a stateful head (EAGLE, EAGLE-3, MTP) replayed from CUDA graphs:
+    the K greedy picks and the K-1 head steps between them in one replay per (batch bucket, K,
+    context bucket), the drafts staying on the device until the chain ends. Eagerly the chain
+    costs ~25 kernel launches and a host sync per draft, more than a large target's verify
+    step saves. Padding rows write their KV into the scratch slot. `capture=False` runs the
+    same padded function eagerly (what the CPU tests check)."""
+
+    def __init__(self, head: nn.Module, cache: KVCache, max_batch: int,
+                 capture: bool = True) -> None:
+        assert cache.scratch is not None, "padding rows need the cache's scratch slot"
+        self.head, self.cache, self.capture = head, cache, capture
+        self.num_layers = head.num_step_layers
+        self.batch_buckets = _buckets(max_batch, 1)
+        self.len_buckets = _buckets(cache.max_len, min(256, cache.max_len))
+        self.device = cache.layers[0][0].device
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.span = torch.arange(cache.max_len, device=self.device)
+        # (batch bucket, K, context bucket) -> (run, state input, index input, drafts output)
+        self.graphs: dict[tuple[int, int, int], tuple] = {}
+
+    def fits(self, batch: int, last_position: int) -> bool:
+        return batch <= self.batch_buckets[-1] and last_position < self.cache.max_len
+
+    @torch.inference_mode()
+    def run(self, state: torch.Tensor, bases: list[int], slots: list[int], k: int
+            ) -> list[list[int]]:
+        """k greedy drafts for each of B requests from the head's outputs state [B, H] at
+        their last verified positions; request i's j-th head step (j >= 1) writes position
+        bases[i] + j of slot slots[i]. Returns the drafts (target ids), B lists of k."""
+        B, scratch = len(slots), self.cache.scratch
+        bb = next(b for b in self.batch_buckets if b >= B)
+        lb = next(n for n in self.len_buckets if n > max(bases) + k - 1)
+        key = (bb, k, lb)
+        if key not in self.graphs:
+            self.graphs[key] = self._build(bb, k, lb)
+        step, state_in, index, drafts = self.graphs[key]
+        state_in[:B].copy_(state)
+        index.copy_(torch.tensor(bases + [0] * (bb - B) + slots + [scratch] * (bb - B),
+                                 dtype=torch.long))
+        out = step()
+        return (drafts if out is None else out)[:B].tolist()
+
+    def _build(self, bb: int, k: int, lb: int):
+        state_in = torch.zeros(bb, self.head.args.hidden_size, device=self.device,
+                               dtype=model_tensor(self.head).dtype)
+        index = torch.zeros(2 * bb, dtype=torch.long, device=self.device)
+        index[bb:].fill_(self.cache.scratch)            # warm-up runs write the scratch slot
+        bases, slots = index.split([bb, bb])
+        span = self.span[:lb]
+
+        def chain() -> torch.Tensor:
+            state, tok = state_in, self.head.step_head(0).greedy_tokens(state_in)     # [bb]
+            toks = [tok]
+            for j in range(1, k):
+                head, pos = self.head.step_head(j), bases + j                       # [bb]
+                mask = (span[None, None, :] <= pos[:, None, None]).unsqueeze(1)  # [bb,1,1,lb]
+                md = AttentionMetadata(token_slots=slots, positions=pos, slot_ids=slots,
+                                       first_slot=None, batch_size=bb, max_query_len=1,
+                                       max_kv_len=lb, pad_index=None, mask=mask)
+                state = head(tok, state, pos, md, self.cache.layers[j % self.num_layers])
+                tok = head.greedy_tokens(state)
+                toks.append(tok)
+            return torch.stack(toks, 1)                                             # [bb, k]
+
+        if not self.capture:
+            return chain, state_in, index, None
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):                 # warm-up (lazy initialisations)
+            chain()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            drafts = chain()
+
+        def replay() -> None:
+            graph.replay()
+        return replay, state_in, index, drafts

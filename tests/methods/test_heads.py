@@ -272,3 +272,38 @@ def test_head_for_another_model_is_refused(tmp_path, llama_dir):
     with pytest.raises(ValueError, match="vocab_size is 500 but the target's is 96"):
         LLM(str(llama_dir), device=DEVICE, speculative_config={"model": str(path),
                                                                 "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "mtp"])
+def test_graph_chain_drafts_what_the_loop_drafts(name, heads, llama_dir, tmp_path):
+    """The greedy chain HeadChainGraphs captures on CUDA, run eagerly here: six requests padded
+    to a batch of 8 through a scratch slot, K the largest per-request budget and each chain cut
+    to its own. Its drafts are the PyTorch loop's, and the output stays the target's."""
+    from specserve.models.cuda_graphs import HeadChainGraphs
+    ps, params, ref = greedy_of_several_lengths(llama_dir, seed=4, first=10, step=4)
+    for i, p in enumerate(params):
+        p.num_speculative_tokens = 1 + i % 3
+    target, spec = llama_dir, {"num_speculative_tokens": 3}
+    if name == "mtp":
+        target, spec = mtp_target(tmp_path / "mtp"), spec | {"method": "mtp"}
+    else:
+        spec["model"] = str(heads[name][1])
+    drafts = {}
+    for graphed in (False, True):
+        llm = LLM(str(target), device=DEVICE, cpu_kernel=False, speculative_config=spec)
+        proposer = llm.engine.proposer
+        assert proposer.chain is None and proposer.graphs is None
+        if graphed:
+            cache = proposer.cache             # one more slot: the padding rows' scratch
+            cache.layers = [(torch.cat([k, torch.zeros_like(k[:1])]),
+                             torch.cat([v, torch.zeros_like(v[:1])])) for k, v in cache.layers]
+            cache.scratch = cache.num_slots
+            proposer.graphs = HeadChainGraphs(proposer.head, cache, 8, capture=False)
+        record = record_drafts(llm)
+        got = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+        if name != "mtp":
+            assert got == ref
+        drafts[graphed] = record
+        if graphed:
+            assert {key[0] for key in proposer.graphs.graphs} >= {8}     # padded batches ran
+    assert sum(map(len, drafts[False])) > 20 and drafts[True] == drafts[False]
