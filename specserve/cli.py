@@ -221,8 +221,8 @@ def cmd_zoo(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from specserve.bench import latency, prefix, report, serve, structured, tree
-    modes = {"latency": latency.main, "serve": serve.main, "tree": tree.main,
+    from specserve.bench import gpu, latency, prefix, report, serve, structured, tree
+    modes = {"latency": latency.main, "gpu": gpu.main, "serve": serve.main, "tree": tree.main,
              "prefix": prefix.main, "structured": structured.main, "report": report.main}
     if not args.bench_args or args.bench_args[0] not in modes:
         raise SystemExit(f"usage: specserve bench {{{','.join(modes)}}} [--help]")

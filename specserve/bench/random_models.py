@@ -2,8 +2,9 @@
 
 A step of a 0.5B-8B model reads more weight bytes than any cache holds, so a verify step of a
 few rows costs about what a one-row step does. `--target random:llama-3.2-1b` (or
-`random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D]`) builds such a model once under
-runs/random/ with the bundled tokenizer's vocabulary, in the Llama format the engine loads,
+`random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D][,vocab=V]`) builds such a model
+once under runs/random/ with the bundled tokenizer (its vocabulary, unless the shape names
+one: a larger one's extra ids decode to nothing), in the Llama format the engine loads,
 with random heads of the methods in RANDOM_HEADS and a PARD version beside it (where the
 benchmarks look for them); its text is noise, so benchmarks pair it with
 `rejection_sample_method: synthetic`.
@@ -37,8 +38,12 @@ SHAPES: dict[str, dict[str, int]] = {
     "llama-3.2-1b": dict(hidden=2048, layers=16, inter=8192, heads=32, kv=8),
     "qwen3-0.6b": dict(hidden=1024, layers=28, inter=3072, heads=16, kv=8, head_dim=128),
     "qwen2.5-1.5b": dict(hidden=1536, layers=28, inter=8960, heads=12, kv=2),
+    # with Llama 3's vocabulary: the 8B target and the 1B draft of the GPU check
+    "llama-3.1-8b": dict(hidden=4096, layers=32, inter=14336, heads=32, kv=8, vocab=128256),
+    "llama-3.2-1b-v128k": dict(hidden=2048, layers=16, inter=8192, heads=32, kv=8,
+                               vocab=128256),
 }
-KEYS = ("hidden", "layers", "inter", "heads", "kv", "head_dim")
+KEYS = ("hidden", "layers", "inter", "heads", "kv", "head_dim", "vocab")
 # heads built beside a random target, where the benchmarks look for them (directory suffix ->
 # method, new_head options), shaped as the zoo's; DFlash's blocks of 16 as the released
 # drafters' (K up to 15: a block's cost hardly grows with its rows where weights dominate)
@@ -48,7 +53,8 @@ RANDOM_HEADS: dict[str, tuple[str, dict]] = {
 
 
 def parse(spec: str) -> dict[str, int]:
-    """`random:NAME` or `random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D]` -> shape."""
+    """`random:NAME` or `random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D][,vocab=V]`
+    -> shape."""
     body = spec.removeprefix(PREFIX)
     if body in SHAPES:
         return dict(SHAPES[body])
@@ -59,7 +65,7 @@ def parse(spec: str) -> dict[str, int]:
     missing = [k for k in KEYS[:5] if k not in shape]
     if missing or set(shape) - set(KEYS) or min(shape.values(), default=0) < 1:
         raise SystemExit(f"{spec!r}: give random:NAME ({', '.join(SHAPES)}) or "
-                         "random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D] with "
+                         "random:hidden=H,layers=L,inter=I,heads=A,kv=G[,head_dim=D][,vocab=V] with "
                          "positive integers")
     if shape["heads"] % shape["kv"] or ("head_dim" not in shape and shape["hidden"]
                                          % shape["heads"]):
@@ -69,12 +75,13 @@ def parse(spec: str) -> dict[str, int]:
 
 
 def materialize(spec: str, tokenizer_dir: str | Path, root: str | Path = "runs/random",
-                seed: int = 0) -> str:
+                seed: int = 0, device: str = "cpu") -> str:
     """The model directory of `spec` (built on first use): config.json, the tokenizer of
-    `tokenizer_dir`, and weights drawn from N(0, 0.02^2), stored in bfloat16."""
+    `tokenizer_dir`, and weights drawn from N(0, 0.02^2) on `device` (a GPU draws 8B in a
+    second), stored in bfloat16."""
     shape = parse(spec)
     tok = Path(tokenizer_dir)
-    vocab = json.loads((tok / "config.json").read_text())["vocab_size"]
+    vocab = shape.get("vocab") or json.loads((tok / "config.json").read_text())["vocab_size"]
     name = spec.removeprefix(PREFIX).replace("=", "").replace(",", "-")
     out = Path(root) / f"{name}-v{vocab}-s{seed}"
     if (out / "model.safetensors").is_file():
@@ -88,12 +95,12 @@ def materialize(spec: str, tokenizer_dir: str | Path, root: str | Path = "runs/r
                      rope_scaling=None, tie_word_embeddings=False, attention_bias=False,
                      qk_norm=False, sliding_window=None)
     out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     H, D, L = args.hidden_size, args.head_dim, args.num_hidden_layers
     q, kv, inter = args.num_attention_heads * D, args.num_key_value_heads * D, args.intermediate_size
 
     def rand(*size: int) -> torch.Tensor:
-        return (torch.randn(size, generator=g) * 0.02).to(torch.bfloat16)
+        return (torch.randn(size, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
 
     tensors = {"model.embed_tokens.weight": rand(vocab, H), "lm_head.weight": rand(vocab, H),
                "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}
@@ -117,27 +124,29 @@ def materialize(spec: str, tokenizer_dir: str | Path, root: str | Path = "runs/r
     return str(out)
 
 
-def random_heads(target_dir: str, seed: int = 0) -> None:
-    """Random heads of RANDOM_HEADS for the random target in `target_dir` (each built once),
-    weights from N(0, 0.02^2) as the target's, stored in bfloat16."""
-    todo = [n for n in RANDOM_HEADS
-            if not (Path(head_dir(target_dir, n)) / "config.json").is_file()]
+def random_heads(target_dir: str, seed: int = 0, names: tuple[str, ...] = tuple(RANDOM_HEADS),
+                 device: str = "cpu") -> None:
+    """Random heads `names` of RANDOM_HEADS for the random target in `target_dir` (each built
+    once, on `device`), weights from N(0, 0.02^2) as the target's, stored in bfloat16."""
+    todo = [n for n in names if not (Path(head_dir(target_dir, n)) / "config.json").is_file()]
     if not todo:
         return
-    target = load_model(target_dir, torch.float32, torch.device("cpu"))
+    dev = torch.device(device)
+    target = load_model(target_dir, torch.float32 if dev.type == "cpu" else torch.bfloat16, dev)
     counts = np.ones(target.args.vocab_size, dtype=np.int64)
     counts[NUM_SPECIAL_TOKENS] = 0              # the first id past the special ones: a mask
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(dev).manual_seed(seed)
     for name in todo:
         method, options = RANDOM_HEADS[name]
         spec = methods.get(method)
         # EAGLE-3 over a quarter of the vocabulary, as published heads are (32k of 128k)
         draft_vocab = target.args.vocab_size // 4 if method == "eagle3" else None
-        head = spec.new_head(target, 4, draft_vocab, counts, **options)
+        with dev:
+            head = spec.new_head(target, 4, draft_vocab, counts, **options)
         with torch.no_grad():
             for param_name, p in head.named_parameters():
                 if p.dim() >= 2 and not param_name.startswith(("embed_tokens.", "lm_head.")):
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+                    p.copy_(torch.randn(p.shape, generator=g, device=dev) * 0.02)
         spec.write(head, Path(head_dir(target_dir, name)), Path(target_dir), torch.bfloat16)
 
 

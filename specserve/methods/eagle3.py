@@ -190,7 +190,7 @@ def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
         if token_counts is None:
             raise ValueError("a reduced eagle3 draft vocabulary needs token counts")
         ids = torch.from_numpy(np.sort(np.argsort(-token_counts, kind="stable")[:n]))
-        head.d2t.copy_(ids - torch.arange(n))
+        head.d2t.copy_(ids - torch.arange(n, device=ids.device))
     head.aux_layers = default_aux_layers(a.num_hidden_layers)
     head.depth_gamma = depth_gamma
     return head
