@@ -27,6 +27,6 @@ if [ -n "$dry" ]; then
   python3 -m specserve.cli bench gpu --dry-run --models-root "$root" --out "$out" \
     --batch-sizes 1,4 --max-tokens 16 --rounds 1
 else
-  python3 -m specserve.cli bench gpu --models-root "$root" --out "$out"
+  python3 -m specserve.cli bench gpu --models-root "$root" --out "$out" --profile
 fi
 exit "$tests"

@@ -28,6 +28,7 @@ from specserve.bench.random_models import materialize, random_heads
 from specserve.inputs import TokensPrompt
 from specserve.llm import LLM
 from specserve.models.backend import release_freed_memory
+from specserve.models.metadata import build_metadata
 from specserve.sampling_params import SamplingParams
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "code-target"
@@ -100,10 +101,55 @@ def specserve_rows(name: str, target: str, spec: dict | None, method: str, a) ->
             tau = round(1 + accepted / max(1, drafts), 3)
         rows.append(_row(name, "specserve", method, spec and spec["num_speculative_tokens"],
                          batch, a.dtype, rates, tau, floor))
+        if spec is None:
+            rows[-1]["target_step_ms"] = round(_target_step_ms(llm, batch), 3)
+        if a.profile and batch == 1:
+            _profile(llm, prompts, params, Path(a.out) / f"profile-{method}.txt")
         print(f"  {rows[-1]}", flush=True)
     del llm
     _free()
     return rows
+
+
+def _target_step_ms(llm: LLM, batch: int, repeats: int = 20) -> float:
+    """One decode step of the target alone for `batch` requests at position 100 or the
+    cache's last (its CUDA
+    graph's replay where the engine has graphs, inputs and outputs included; else eager):
+    what the engine's step costs beyond it is the engine's own work."""
+    runner, dev = llm.engine.runner, torch.device(llm.engine.device)
+    graphs, pos = runner.graphs, min(100, runner.cache.max_len - 2)
+    slots = list(range(batch))
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            _sync(dev)
+            t = time.perf_counter()
+            if graphs is not None:
+                graphs.run([11] * batch, [pos] * batch, [1] * batch, slots)
+            else:
+                md, positions = build_metadata([pos] * batch, [1] * batch, slots, dev)
+                ids = torch.full((batch,), 11, device=dev)
+                runner.model.compute_logits(runner.model(ids, positions, md,
+                                                         runner.cache.layers))
+            _sync(dev)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1e3
+
+
+def _profile(llm: LLM, prompts, params, path: Path) -> None:
+    """The host's time per Python function over one batch-1 generation (cProfile: time spent
+    waiting for the GPU shows in the calls that sync, `tolist`), where an engine step's time
+    goes beyond the target's own."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.runcall(llm.generate, prompts, params, use_tqdm=False)
+    out = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(35)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(out.getvalue())
 
 
 def _row(model: str, engine: str, method: str, k: int | None, batch: int, dtype: str,
@@ -170,7 +216,8 @@ def markdown(data: dict) -> str:
     for model in dict.fromkeys(r["model"] for r in data["rows"]):
         lines += [f"### {model}", "",
                   ("| engine | method | K | batch | tokens/s | ms/token | vs no-spec | tau "
-                   "| floor ms/token |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                   "| floor ms/token | target step alone, ms |"),
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         rows = [r for r in data["rows"] if r["model"] == model]
         for r in rows:
             base = next((b for b in rows if b["engine"] == "specserve" and b["method"] == "none"
@@ -178,7 +225,8 @@ def markdown(data: dict) -> str:
             ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
             lines.append(f"| {r['engine']} | {r['method']} | {r['k'] or ''} | {r['batch']} | "
                          f"{r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} | {ratio} | "
-                         f"{r['tau'] or ''} | {r['floor_ms_per_token']:.2f} |")
+                         f"{r['tau'] or ''} | {r['floor_ms_per_token']:.2f} | "
+                         f"{r.get('target_step_ms', '')} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -197,6 +245,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--models-root", default="runs/random",
                    help="where the random models are built (a RAM disk saves minutes)")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--profile", action="store_true",
+                   help="also write each engine's batch-1 operator profile to the out directory")
     p.add_argument("--out", default="runs/gpu", help="directory for gpu.json and gpu.md")
     a = p.parse_args(argv[1:])
     if a.dry_run:
