@@ -27,7 +27,11 @@ from specserve.metrics import PrometheusMetrics
 from specserve.outputs import RequestOutput
 from specserve.sampling_params import SamplingParams
 from specserve.server import responses
-from specserve.server.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from specserve.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestFailedError,
+)
 from specserve.server.guard import APIError, Gate, read_json
 from specserve.server.protocol import (
     ChatCompletionRequest,
@@ -88,10 +92,22 @@ def _validation_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _json_body(model: type[BaseModel]) -> dict:
-    """openapi_extra for a route that reads `model` as its JSON body itself."""
+def _json_body(model: type[BaseModel], streams: bool = False) -> dict:
+    """openapi_extra for a route that reads `model` as its JSON body itself; `streams`: its
+    200 is also a server-sent event stream (with "stream": true)."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+    extra: dict = {"requestBody": {"required": True,
+                                   "content": {"application/json": {"schema": ref}}}}
+    if streams:
+        extra["responses"] = {"200": {"description": "the answer", "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string", "description": (
+                "with \"stream\": true: events `data: <chunk JSON>` separated by blank lines, "
+                "the chunks as OpenAI's (`object` \"text_completion\" or "
+                "\"chat.completion.chunk\"), a final usage chunk with stream_options."
+                "include_usage, then `data: [DONE]`; an error after the first event comes as "
+                "`data: {\"error\": {...}}`")}}}}}
+    return extra
 
 
 class _ClosingStream(StreamingResponse):
@@ -445,9 +461,10 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None,
     app.add_exception_handler(Exception, internal_error)
 
     app.add_api_route("/v1/completions", s.completions, methods=["POST"], responses=_ERRORS,
-                      openapi_extra=_json_body(CompletionRequest))
+                      openapi_extra=_json_body(CompletionRequest, streams=True))
     app.add_api_route("/v1/chat/completions", s.chat_completions, methods=["POST"],
-                      responses=_ERRORS, openapi_extra=_json_body(ChatCompletionRequest))
+                      responses=_ERRORS,
+                      openapi_extra=_json_body(ChatCompletionRequest, streams=True))
     app.add_api_route("/v1/models", s.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id}", s.model, methods=["GET"], responses=_ERRORS)
     app.add_api_route("/tokenize", s.tokenize, methods=["POST"], responses=_ERRORS,

@@ -8,7 +8,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from specserve.sampling_params import SamplingParams, StructuredOutputsParams
+from specserve.sampling_params import (
+    MAX_LOGPROBS,
+    MIN_TEMPERATURE,
+    SEED_RANGE,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 class StreamOptions(BaseModel):
@@ -55,25 +61,33 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    # the limits SamplingParams enforces, stated here so that the OpenAPI document carries them
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
+    max_tokens: int | None = Field(default=None, ge=0, description=(
+        "at least 1 (0 only with echo: the prompt's log-probabilities alone); at most the "
+        "server's --max-tokens-per-request; default the server's --default-max-tokens"))
+    temperature: float = Field(default=1.0, ge=0, description=(
+        f"0 = greedy, else at least {MIN_TEMPERATURE}"))
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = Field(default=None, description=(
+        "non-empty strings, at most the server's --max-stop of them, each at most "
+        "--max-stop-chars characters"))
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, description="1 = off")
+    logit_bias: dict[str, float] | None = Field(default=None, description=(
+        "token id (as a string) -> bias in [-100, 100]"))
     user: str | None = None
     # vLLM-style extras
-    top_k: int = -1
-    min_p: float = 0.0
+    top_k: int = Field(default=-1, ge=-1, description="-1 = off, else at least 1")
+    min_p: float = Field(default=0.0, ge=0, le=1)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, description=(
+        "token ids inside the vocabulary, at most the server's --max-stop of them"))
     include_stop_str_in_output: bool = False
     include_spec_metrics: bool = Field(
         default=False, description="add the request's speculative-decoding summary")
@@ -139,7 +153,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -190,7 +204,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = None
 
     @model_validator(mode="after")

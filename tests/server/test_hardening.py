@@ -66,8 +66,10 @@ def _post(c, path: str, body, headers=JSON):
     (b'{"prompt": "x", "max_tokens": 4, "temperature": 1e999}', "temperature must be a finite"),
     (b'{"prompt": "x", "max_tokens": 4, "temperature": 1e-40}', "at least 1e-05"),
     (b'{"prompt": "x", "max_tokens": 4, "temperature": 1e-40, "top_k": 3}', "at least 1e-05"),
-    (b'{"prompt": "x", "max_tokens": 4, "seed": 18446744073709551616}', "seed must be"),
-    (b'{"prompt": "x", "max_tokens": 4, "min_p": -0.5}', "min_p must be in [0, 1]"),
+    (b'{"prompt": "x", "max_tokens": 4, "seed": 18446744073709551616}',
+     "seed: Input should be less than or equal to 18446744073709551615"),
+    (b'{"prompt": "x", "max_tokens": 4, "min_p": -0.5}',
+     "min_p: Input should be greater than or equal to 0"),
 ])
 def test_degenerate_sampling_values_are_400s_and_the_engine_lives(client, body, message):
     before = _post(client, "/v1/completions", GREEDY).json()["choices"][0]["text"]
@@ -301,7 +303,16 @@ def test_openapi_shows_request_bodies_and_errors(client):
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref == f"#/components/schemas/{model}"
         assert {"400", "413", "415", "500", "503"} <= set(op["responses"])
-        assert "temperature" in doc["components"]["schemas"][model]["properties"]
+        props = doc["components"]["schemas"][model]["properties"]
+        assert "temperature" in props
+        # the limits the server enforces are in the document
+        assert props["top_p"]["exclusiveMinimum"] == 0 and props["top_p"]["maximum"] == 1
+        assert props["n"]["minimum"] == 1 and props["min_p"]["maximum"] == 1
+        assert props["presence_penalty"]["minimum"] == -2
+        assert props["max_tokens"]["anyOf"][0]["minimum"] == 0
+        ok = op["responses"]["200"]["content"]
+        assert {"application/json", "text/event-stream"} <= set(ok)
+        assert "[DONE]" in ok["text/event-stream"]["schema"]["description"]
     assert "ChatMessage" in doc["components"]["schemas"]          # nested models resolve
 
 
