@@ -27,6 +27,7 @@ from specserve.models.cpu_backend import (
     use_decode_linears,
 )
 from specserve.models.cuda_graphs import CudaGraphs, HeadChainGraphs
+from specserve.models.heads import StatefulHead
 from specserve.models.layers import model_tensor
 from specserve.models.llama import LlamaForCausalLM
 
@@ -74,10 +75,11 @@ class Backend:
         """Which path a prepared model's steps take (the engine logs it)."""
         w = model_tensor(model)
         if w.device.type != "cpu":
-            if not self.cuda_graphs:
-                return f"{w.device.type} (eager)"
-            whole = isinstance(model, LlamaForCausalLM)     # a head: its greedy chains
-            return f"{w.device.type} (CUDA graphs{'' if whole else ' of greedy chains'})"
+            if self.cuda_graphs and isinstance(model, LlamaForCausalLM):
+                return f"{w.device.type} (CUDA graphs)"
+            if self.cuda_graphs and isinstance(model, StatefulHead):
+                return f"{w.device.type} (eager; CUDA graphs of greedy chains)"
+            return f"{w.device.type} (eager)"
         linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
         lib = next((m.lib for m in linears if m.lib is not None), None)
         if lib is not None:
