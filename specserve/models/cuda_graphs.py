@@ -24,6 +24,20 @@ def _buckets(limit: int, first: int) -> list[int]:
     return out
 
 
+def _capture(fn, device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`fn` run once on a side stream (its lazy initialisations), then captured; returns the
+    graph and the outputs its replays overwrite."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = fn()
+    return graph, outputs
+
+
 class CudaGraphs:
     """Replays `model`'s cached forward (ids, positions, metadata, KV layers) from CUDA graphs
     for steps of up to `max_batch` requests of up to `max_query_len` tokens each."""
@@ -92,14 +106,7 @@ class CudaGraphs:
             hidden, aux = out if aux_layers else (out, None)
             return self.model.compute_logits(hidden).float(), hidden, aux
 
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):                 # warm-up (lazy initialisations)
-            step()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = step()
+        graph, outputs = _capture(step, self.device, self.pool)
         return graph, inputs, outputs
 
 
@@ -170,15 +177,5 @@ class HeadChainGraphs:
 
         if not self.capture:
             return chain, state_in, index, None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):                 # warm-up (lazy initialisations)
-            chain()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            drafts = chain()
-
-        def replay() -> None:
-            graph.replay()
-        return replay, state_in, index, drafts
+        graph, drafts = _capture(chain, self.device, self.pool)
+        return graph.replay, state_in, index, drafts     # replay() returns None: read drafts
