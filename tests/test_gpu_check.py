@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specserve.bench import report
 from specserve.bench.gpu import FIELDS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,4 +33,6 @@ def test_gpu_check_dry_run(tmp_path):
         assert set(FIELDS) <= set(r) and r["tokens_per_s"] > 0 and r["floor_ms_per_token"] > 0
         assert (r["tau"] is not None) == (r["engine"] == "specserve" and r["method"] != "none")
         assert 1 <= (r["tau"] or 1) <= 5
-    assert "| specserve | eagle3 | 4 | 1 |" in (tmp_path / "out" / "gpu.md").read_text()
+    table = (tmp_path / "out" / "gpu.md").read_text()
+    assert "| specserve | eagle3 | 4 | 1 |" in table and table == report.markdown(data)
+    assert "best: " in report.history_line(data)       # what --publish adds to HISTORY.md

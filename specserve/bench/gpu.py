@@ -7,9 +7,10 @@ drafting and verifying is real, the acceptance is the one asked for), beside tra
 `generate` on the same weights (plain, and assisted by the draft at batch 1, the only batch
 assisted generation takes). Each row: tokens/s over the batch (median of rounds, prompts'
 prefill included), ms per token of one sequence, tau, and the floor: the bytes of weights one
-step reads over the copy bandwidth measured in the same run. `--dry-run`: tiny shapes in
-float32 on the CPU, so that the command cannot rot between GPU runs (its figures mean
-nothing).
+step reads over the copy bandwidth measured in the same run. Writes gpu.json and gpu.md to
+--out (`--publish`, or `specserve bench report gpu.json --publish` where the run came from a
+GPU host: benchmarks/latest/gpu.*). `--dry-run`: tiny shapes in float32 on the CPU, so that
+the command cannot rot between GPU runs (its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -23,12 +24,20 @@ from pathlib import Path
 
 import torch
 
-from specserve.bench.probes import _sync, git_commit, machine, weight_bytes
+from specserve.bench import report
+from specserve.bench.probes import (
+    _sync,
+    copy_bandwidth_gbs,
+    git_commit,
+    machine,
+    step_ms,
+    weight_bytes,
+)
 from specserve.bench.random_models import materialize, random_heads
+from specserve.data.zoo import head_dir
 from specserve.inputs import TokensPrompt
 from specserve.llm import LLM
 from specserve.models.backend import release_freed_memory
-from specserve.models.metadata import build_metadata
 from specserve.sampling_params import SamplingParams
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "models" / "code-target"
@@ -37,21 +46,6 @@ DRY_DRAFT = "random:hidden=32,layers=1,inter=64,heads=4,kv=2,vocab=9000"
 PROMPT_LEN = 32
 FIELDS = ("model", "engine", "method", "k", "batch", "dtype", "tokens_per_s", "ms_per_token",
           "tau", "floor_ms_per_token")
-
-
-def copy_bandwidth_gbs(device: torch.device, mb: int = 1024, repeats: int = 5) -> float:
-    """Bytes read and written per second by a device-to-device copy of `mb` MB (best of
-    repeats): the rate a decode step's weight reads can reach at best."""
-    x = torch.ones(mb * 1024 * 1024 // 4, device=device)
-    y = torch.empty_like(x)
-    best = float("inf")
-    for _ in range(repeats + 1):                      # the first run warms up
-        _sync(device)
-        t = time.perf_counter()
-        y.copy_(x)
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return 2 * x.numel() * 4 / best / 1e9
 
 
 def _prompts(batch: int, vocab: int) -> list[list[int]]:
@@ -74,10 +68,7 @@ def specserve_rows(name: str, target: str, spec: dict | None, method: str, a) ->
               max_num_batched_tokens=max(2048, PROMPT_LEN * max(a.batch_sizes)))
     floor = weight_bytes(llm.engine.model) / a.bandwidth / 1e6          # ms per step
     vocab = min(llm.engine.model.args.vocab_size, a.tokenizer_vocab)
-    paths = {"target": llm.engine.backend.describe(llm.engine.model)} | {
-        role: llm.engine.backend.describe(m)
-        for role, m in (llm.engine.proposer.modules if llm.engine.proposer else {}).items()}
-    print(f"  backend: {paths}", flush=True)
+    print(f"  backend: {llm.engine.backend_line}", flush=True)
     rows = []
     for batch in a.batch_sizes:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(batch, vocab)]
@@ -112,25 +103,19 @@ def specserve_rows(name: str, target: str, spec: dict | None, method: str, a) ->
 
 
 def _target_step_ms(llm: LLM, batch: int, repeats: int = 20) -> float:
-    """One decode step of the target alone for `batch` requests at position 100 or the
-    cache's last (its CUDA
-    graph's replay where the engine has graphs, inputs and outputs included; else eager):
-    what the engine's step costs beyond it is the engine's own work."""
-    runner, dev = llm.engine.runner, torch.device(llm.engine.device)
-    graphs, pos = runner.graphs, min(100, runner.cache.max_len - 2)
-    slots = list(range(batch))
-    times = []
+    """One decode step of the target alone for `batch` requests at position 100 (or the
+    cache's last): its CUDA graph's replay, inputs and outputs included, where the engine has
+    graphs, else the eager step. What the engine's step costs beyond it is its own work."""
+    runner = llm.engine.runner
+    pos = min(100, runner.cache.max_len - 2)
+    if runner.graphs is None:
+        return step_ms(llm, 1, pos, repeats, batch)
+    dev, slots, times = torch.device(llm.engine.device), list(range(batch)), []
     with torch.inference_mode():
-        for _ in range(repeats + 1):
+        for _ in range(repeats + 1):                      # the first run warms up
             _sync(dev)
             t = time.perf_counter()
-            if graphs is not None:
-                graphs.run([11] * batch, [pos] * batch, [1] * batch, slots)
-            else:
-                md, positions = build_metadata([pos] * batch, [1] * batch, slots, dev)
-                ids = torch.full((batch,), 11, device=dev)
-                runner.model.compute_logits(runner.model(ids, positions, md,
-                                                         runner.cache.layers))
+            runner.graphs.run([11] * batch, [pos] * batch, [1] * batch, slots)
             _sync(dev)
             times.append(time.perf_counter() - t)
     return statistics.median(times[1:]) * 1e3
@@ -205,32 +190,6 @@ def transformers_rows(name: str, target: str, draft: str, a) -> list[dict]:
     return rows
 
 
-def markdown(data: dict) -> str:
-    lines = [f"## GPU check: {data['device']}", "",
-             f"- {data['date']}, commit {data['commit']}; command: `{data['command']}`",
-             (f"- copy bandwidth {data['copy_bandwidth_gbs']:.0f} GB/s (read + written); floor ="
-              " weight bytes a step reads / that bandwidth"),
-             (f"- {data['max_tokens']} new tokens after a {PROMPT_LEN}-token prompt per sequence,"
-              f" median of {data['rounds']} rounds after a warm-up; speculation's acceptance "
-              f"synthetic at {data['acceptance']} per draft token (random weights)"), ""]
-    for model in dict.fromkeys(r["model"] for r in data["rows"]):
-        lines += [f"### {model}", "",
-                  ("| engine | method | K | batch | tokens/s | ms/token | vs no-spec | tau "
-                   "| floor ms/token | target step alone, ms |"),
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        rows = [r for r in data["rows"] if r["model"] == model]
-        for r in rows:
-            base = next((b for b in rows if b["engine"] == "specserve" and b["method"] == "none"
-                         and b["batch"] == r["batch"]), None)
-            ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
-            lines.append(f"| {r['engine']} | {r['method']} | {r['k'] or ''} | {r['batch']} | "
-                         f"{r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} | {ratio} | "
-                         f"{r['tau'] or ''} | {r['floor_ms_per_token']:.2f} | "
-                         f"{r.get('target_step_ms', '')} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="specserve bench gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true",
@@ -247,7 +206,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="also write each engine's batch-1 operator profile to the out directory")
-    p.add_argument("--out", default="runs/gpu", help="directory for gpu.json and gpu.md")
+    report.add_output_args(p)
     a = p.parse_args(argv[1:])
     if a.dry_run:
         a.device, a.dtype = "cpu", "float32"
@@ -273,7 +232,7 @@ def main(argv: list[str]) -> None:
     rows = []
     for method, spec in (("none", None),
                          ("eagle3", synthetic | {"method": "eagle3",
-                                                 "model": target + "-eagle3"}),
+                                                 "model": head_dir(target, "eagle3")}),
                          ("draft_model", synthetic | {"method": "draft_model",
                                                       "model": draft})):
         print(f"specserve {method}", flush=True)
@@ -282,13 +241,13 @@ def main(argv: list[str]) -> None:
         print("transformers", flush=True)
         rows += transformers_rows(name, target, draft, a)
     m = machine(device=a.device)
-    data = {"benchmark": "gpu", "device": m.get("gpu", m["cpu"]), "date": m["date"],
-            "commit": git_commit(), "command": "specserve bench gpu " + " ".join(argv[1:]),
-            "machine": m, "copy_bandwidth_gbs": round(a.bandwidth, 1),
-            "acceptance": a.acceptance, "max_tokens": a.max_tokens, "rounds": a.rounds,
+    data = {"benchmark": "gpu", "published_name": "gpu",
+            "title": f"GPU check: {name}, random weights, beside transformers",
+            "device": m.get("gpu", m["cpu"]), "date": m["date"], "commit": git_commit(),
+            "command": "specserve bench gpu " + " ".join(argv[1:]), "machine": m,
+            "copy_bandwidth_gbs": round(a.bandwidth, 1), "acceptance": a.acceptance,
+            "prompt_tokens": PROMPT_LEN, "max_tokens": a.max_tokens, "rounds": a.rounds,
             "dry_run": a.dry_run, "rows": rows}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(data, indent=1) + "\n")
-    (out / "gpu.md").write_text(markdown(data))
-    print(markdown(data))
+    paths = report.save(data, a.out, a.publish, stem="gpu")
+    print(report.markdown(data))
+    print(json.dumps(paths))

@@ -45,6 +45,21 @@ def memory_bandwidth_gbs(device: str = "cpu", mb: int = 512, repeats: int = 5) -
     return x.numel() * 4 / best / 1e9
 
 
+def copy_bandwidth_gbs(device: torch.device, mb: int = 1024, repeats: int = 5) -> float:
+    """Bytes read and written per second by a device-to-device copy of `mb` MB (best of
+    repeats): the rate a decode step's weight reads can reach at best."""
+    x = torch.ones(mb * 1024 * 1024 // 4, device=device)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(repeats + 1):                      # the first run warms up
+        _sync(device)
+        t = time.perf_counter()
+        y.copy_(x)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.numel() * 4 / best / 1e9
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -82,13 +97,14 @@ def decode_ms_per_token(llm, tokens: int = 128, repeats: int = 5) -> float:
 
 
 @torch.inference_mode()
-def step_ms(llm, rows: int, context: int = 64, repeats: int = 7) -> float:
-    """Median time of one target step of `rows` new tokens of one request after `context`
-    cached ones, logits included: a decode (1 row) or the verify of rows - 1 drafts."""
+def step_ms(llm, rows: int, context: int = 64, repeats: int = 7, batch: int = 1) -> float:
+    """Median time of one target step of `rows` new tokens for each of `batch` requests after
+    `context` cached ones, logits included: a decode (1 row) or the verify of rows - 1
+    drafts. Eager on a GPU (the engine replays such steps from graphs)."""
     engine = llm.engine
     model, dev = engine.model, engine.device
-    ids = torch.arange(10, 10 + rows, device=dev)
-    md, pos = build_metadata([context], [rows], [0], dev)
+    ids = torch.arange(10, 10 + rows, device=dev).repeat(batch)
+    md, pos = build_metadata([context] * batch, [rows] * batch, list(range(batch)), dev)
     times = []
     for _ in range(repeats + 1):                          # the first run warms up
         _sync(dev)

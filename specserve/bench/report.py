@@ -28,9 +28,11 @@ def add_output_args(p: argparse.ArgumentParser) -> None:
                         "benchmarks/HISTORY.md")
 
 
-def save(data: dict, out: str | Path, publish: bool = False) -> dict[str, str]:
-    """Write the run's JSON, Markdown and PNG; returns their paths."""
-    stem = f"{data['benchmark']}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+def save(data: dict, out: str | Path, publish: bool = False,
+         stem: str | None = None) -> dict[str, str]:
+    """Write the run's JSON, Markdown and PNG (named `stem`, by default the benchmark and the
+    time); returns their paths."""
+    stem = stem or f"{data['benchmark']}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     paths = _write(data, Path(out), stem)
     if publish:
         paths["published"] = publish_run(data)
@@ -41,14 +43,17 @@ def publish_run(data: dict) -> str:
     """Write a run to benchmarks/latest/ (one name per benchmark, device type and target other
     than the toy zoo's: a GPU run, one on `random:llama-3.2-1b`, `padded:...` or
     `smollm2-135m-instruct` does not replace the CPU run on the zoo) and add its line to
-    HISTORY.md; returns the JSON's path."""
-    s = data["settings"]
-    device = torch.device(s.get("device", "cpu")).type
-    name = data["benchmark"] + published_suffix(data["machine"], device)
-    target = s.get("target", "")
-    if target and not target.startswith("models/"):
-        built = target.removeprefix("random:").replace("models/", "")
-        name += "-" + re.sub(r"[^A-Za-z0-9]+", "-", built).strip("-")
+    HISTORY.md; returns the JSON's path. A run that names itself (`published_name`: the GPU
+    check, whose device and models are its own) keeps that name."""
+    name = data.get("published_name")
+    if name is None:
+        s = data["settings"]
+        device = torch.device(s.get("device", "cpu")).type
+        name = data["benchmark"] + published_suffix(data["machine"], device)
+        target = s.get("target", "")
+        if target and not target.startswith("models/"):
+            built = target.removeprefix("random:").replace("models/", "")
+            name += "-" + re.sub(r"[^A-Za-z0-9]+", "-", built).strip("-")
     path = _write(data, LATEST, name)["json"]
     with HISTORY.open("a") as f:
         f.write(history_line(data) + "\n")
@@ -247,8 +252,41 @@ def _structured_markdown(data: dict) -> list[str]:
     return lines + ["", f"Example output: `{data['example']}`", ""]
 
 
+def _gpu_rows_and_base(data: dict):
+    """Each row with the specserve no-spec row of its model and batch (or None)."""
+    base = {(r["model"], r["batch"]): r for r in data["rows"]
+            if r["engine"] == "specserve" and r["method"] == "none"}
+    return [(r, base.get((r["model"], r["batch"]))) for r in data["rows"]]
+
+
+def _gpu_markdown(data: dict) -> list[str]:
+    lines = [f"- copy bandwidth {data['copy_bandwidth_gbs']:.0f} GB/s (read + written); floor = "
+             "weight bytes a step reads / that bandwidth",
+             f"- {data['max_tokens']} new tokens after a {data['prompt_tokens']}-token prompt per "
+             f"sequence, median of {data['rounds']} rounds after a warm-up; speculation's "
+             f"acceptance synthetic at {data['acceptance']} per draft token (random weights)",
+             ""]
+    pairs = _gpu_rows_and_base(data)
+    for model in dict.fromkeys(r["model"] for r in data["rows"]):
+        lines += [f"### {model}", "",
+                  "| engine | method | K | batch | tokens/s | ms/token | vs no-spec | tau | "
+                  "floor ms/token | target step alone, ms |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r, base in pairs:
+            if r["model"] != model:
+                continue
+            ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else ""
+            lines.append(f"| {r['engine']} | {r['method']} | {r['k'] or ''} | {r['batch']} | "
+                         f"{r['tokens_per_s']:.1f} | {r['ms_per_token']:.2f} | {ratio} | "
+                         f"{r['tau'] or ''} | {r['floor_ms_per_token']:.2f} | "
+                         f"{r.get('target_step_ms', '')} |")
+        lines.append("")
+    return lines
+
+
 _MARKDOWN = {"latency": _latency_markdown, "serve": _serve_markdown, "tree": _tree_markdown,
-             "prefix": _prefix_markdown, "structured": _structured_markdown}
+             "prefix": _prefix_markdown, "structured": _structured_markdown,
+             "gpu": _gpu_markdown}
 
 
 def markdown(data: dict) -> str:
@@ -325,6 +363,13 @@ def _best(data: dict) -> dict[str, tuple[str, float]]:
         for name, w in data["workloads"].items():
             if w["later_on_over_off"]:
                 best[name] = ("later requests' TTFT, caching on / off", w["later_on_over_off"])
+    elif data["benchmark"] == "gpu":
+        for r, base in _gpu_rows_and_base(data):
+            key = f"{r['model']}, batch {r['batch']}"
+            if base is not None and r is not base:
+                v = r["tokens_per_s"] / base["tokens_per_s"]
+                if key not in best or v > best[key][1]:
+                    best[key] = (f"{r['engine']} {r['method']}", v)
     return best
 
 

@@ -107,7 +107,8 @@ class LLMEngine:
             for role, m in (self.proposer.modules if self.proposer else {}).items()]
         if self.spec is not None and self.spec.auto_choice:
             parts.append(f"method auto: {self.spec.auto_choice}")
-        logger.info("backend: %s; %s, %d threads; %s", "; ".join(parts), mc.dtype,
+        self.backend_line = "; ".join(parts)    # which path each model's steps take
+        logger.info("backend: %s; %s, %d threads; %s", self.backend_line, mc.dtype,
                     torch.get_num_threads(), prefix_note)
         self.num_spec_tokens = self.spec.num_speculative_tokens if self.spec else 0
         self.verify_method = self.spec.rejection_sample_method if self.spec else "strict"
@@ -362,9 +363,10 @@ class LLMEngine:
         row, raw = 0, {}
         for n, ((_, b), v) in enumerate(zip(sampled, vreqs)):
             r, rows = b.request, logits[row:row + b.num_sample_rows]
-            if r.logprobs is not None and (needs_processing(r.params) or r.grammar is not None):
+            penalized = needs_processing(r.params)
+            if r.logprobs is not None and (penalized or r.grammar is not None):
                 raw[n] = rows.clone()
-            if needs_processing(r.params):
+            if penalized:
                 apply_penalties(rows, r.params, r.prompt_token_ids, r.output_token_ids,
                                 draft_paths(v.draft_token_ids, v.parents))
             if r.grammar is not None:

@@ -136,11 +136,11 @@ class HeadProposer(ProposerBase):
         state = torch.stack([last[id(r)] for r in drafting])               # [B, H]
         if self.tree is not None:
             return self._draft_trees(drafting, batch.max_num_tokens, state)
-        k, bases = max(batch.max_num_tokens), [r.num_tokens - 2 for r in drafting]
-        if (self.graphs is not None and not self.threshold
-                and self.graphs.fits(len(drafting), max(bases) + k - 1)):
-            chains = self.graphs.run(state, bases, [r.slot for r in drafting], k)
-            return [Proposal(d[:n]) for d, n in zip(chains, batch.max_num_tokens)]
+        if self.graphs is not None and not self.threshold:
+            k, bases = max(batch.max_num_tokens), [r.num_tokens - 2 for r in drafting]
+            if self.graphs.fits(len(drafting), max(bases) + k - 1):
+                chains = self.graphs.run(state, bases, [r.slot for r in drafting], k)
+                return [Proposal(d[:n]) for d, n in zip(chains, batch.max_num_tokens)]
         if self.chain is not None and len(drafting) <= max_rows(self.chain.lib):   # long ingest
             return [Proposal(t) for t in self.chain(state, [r.num_tokens - 1 for r in drafting],
                                                     [r.slot for r in drafting],
