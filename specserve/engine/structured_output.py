@@ -21,7 +21,7 @@ import json
 
 import llguidance
 import llguidance.torch as llt
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark
 import torch
 
 from specserve.sampling_params import StructuredOutputsParams
@@ -35,22 +35,22 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 
 
 def grammar_text(so: StructuredOutputsParams) -> str:
-    """llguidance's grammar for the request's constraint."""
+    """llguidance's grammar for the request's constraint (ValueError naming what is wrong)."""
     M = llguidance.LLMatcher
-    if so.json is not None or so.json_object:
-        schema = {"type": "object"} if so.json_object else so.json
-        try:
-            return M.grammar_from_json_schema(schema, overrides=JSON_STYLE)
-        except ValueError as e:
-            raise ValueError(f"structured_outputs json is not a JSON schema object: {e}") from None
-    if so.regex is not None:
-        return M.grammar_from_regex(so.regex)
-    if so.choice is not None:
-        return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
+    what = "grammar"
     try:
+        if so.json is not None or so.json_object:
+            what = "json (not a JSON schema object)"
+            return M.grammar_from_json_schema({"type": "object"} if so.json_object else so.json,
+                                              overrides=JSON_STYLE)
+        if so.regex is not None:
+            what = "regex"
+            return M.grammar_from_regex(so.regex)
+        if so.choice is not None:
+            return M.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choice))
         return M.grammar_from_lark(any_to_lark(so.grammar))       # Lark, or GBNF converted
-    except GbnfToLarkError as e:
-        raise ValueError(f"structured_outputs grammar: {e}") from None
+    except Exception as e:  # noqa: BLE001 - llguidance raises bare Exceptions for bad input
+        raise ValueError(f"structured_outputs {what}: {e}") from None
 
 
 class Grammars:

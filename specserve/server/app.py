@@ -34,11 +34,20 @@ from specserve.server.async_engine import (
 )
 from specserve.server.guard import APIError, Gate, read_json
 from specserve.server.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
+    ModelCard,
+    ModelList,
     TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
     error_body,
     new_id,
     now,
@@ -92,22 +101,47 @@ def _validation_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _json_body(model: type[BaseModel], streams: bool = False) -> dict:
-    """openapi_extra for a route that reads `model` as its JSON body itself; `streams`: its
-    200 is also a server-sent event stream (with "stream": true)."""
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    extra: dict = {"requestBody": {"required": True,
-                                   "content": {"application/json": {"schema": ref}}}}
-    if streams:
-        extra["responses"] = {"200": {"description": "the answer", "content": {
-            "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string", "description": (
-                "with \"stream\": true: events `data: <chunk JSON>` separated by blank lines, "
-                "the chunks as OpenAI's (`object` \"text_completion\" or "
-                "\"chat.completion.chunk\"), a final usage chunk with stream_options."
-                "include_usage, then `data: [DONE]`; an error after the first event comes as "
-                "`data: {\"error\": {...}}`")}}}}}
-    return extra
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _json_body(model: type[BaseModel], answer: type[BaseModel],
+               chunk: type[BaseModel] | None = None) -> dict:
+    """openapi_extra for a route that reads `model` as its JSON body itself and answers
+    `answer`, or with "stream": true (`chunk` given) server-sent events of `chunk`s."""
+    content: dict = {"application/json": {"schema": _ref(answer)}}
+    if chunk is not None:
+        # Open API 3.1 reads an event stream's schema as one event's; data is a chunk's JSON,
+        # an error's (after the first event) or the last event's [DONE]
+        content["text/event-stream"] = {"schema": {
+            "type": "object", "required": ["data"], "properties": {"data": {"anyOf": [
+                {"const": "[DONE]"},
+                {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"anyOf": [_ref(chunk), _ref(ErrorResponse)]}}]}},
+            "description": f"with \"stream\": true: one {chunk.__name__} per event, a final "
+                           "usage chunk with stream_options.include_usage, then [DONE]"}}
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": _ref(model)}}},
+            "responses": {"200": {"description": "the answer", "content": content}}}
+
+
+def _prompt_only(o: RequestOutput) -> RequestOutput:
+    """`o` without the token it made (echo with max_tokens 0: the prompt alone is asked for)."""
+    c = o.outputs[0]
+    return dataclasses.replace(o, outputs=[dataclasses.replace(
+        c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])])
+
+
+def _best(outs: list[RequestOutput], n: int, keep_logprobs: bool) -> list[RequestOutput]:
+    """best_of: the n samples whose tokens have the highest sum of log-probabilities."""
+    def score(o: RequestOutput) -> float:
+        c = o.outputs[0]
+        return sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs or []))
+    best = sorted(outs, key=score, reverse=True)[:n]
+    if keep_logprobs:
+        return best
+    return [dataclasses.replace(o, outputs=[dataclasses.replace(o.outputs[0], logprobs=None)])
+            for o in best]
 
 
 class _ClosingStream(StreamingResponse):
@@ -175,12 +209,12 @@ class _Server:
                 raise APIError(400, f"this model's maximum context length is {limit} tokens, "
                                f"but {len(ids) + max_tokens} were requested ({len(ids)} in the "
                                f"prompt, {max_tokens} for the completion); lower max_tokens")
-            asked += max_tokens * req.n
+            asked += max_tokens * req.samples_per_prompt()
             if asked > self.max_body_tokens:
                 raise APIError(400, f"the request asks for more than {self.max_body_tokens} "
-                               "tokens over its prompts (max_tokens x prompts; the server's "
-                               "--max-tokens-per-request); lower max_tokens or send fewer "
-                               "prompts")
+                               "tokens over its prompts (max_tokens x prompts x samples; the "
+                               "server's --max-tokens-per-request); lower max_tokens or n, or "
+                               "send fewer prompts")
             out.append((ids, max_tokens))
         return out
 
@@ -274,9 +308,13 @@ class _Server:
     async def completions(self, request: Request):
         req: CompletionRequest = await self.parse(request, CompletionRequest)
         prepared = self.prepare(req.prompts(), req)
-        # n samples per prompt: choice p * n + i is prompt p's sample i, as OpenAI orders them
+        per_prompt = req.samples_per_prompt()
+        # best_of > n ranks the samples by their tokens' log-probabilities: ask for them
+        ranked = per_prompt > req.n
+        logprobs = max(req.logprobs or 0, 0) if ranked else req.logprobs
+        # samples per prompt: choice p * n + i is prompt p's sample i, as OpenAI orders them
         runs = [(ids, sample) for ids, mt in prepared
-                for sample in self.params(req, max(mt, 1), req.logprobs).samples()]
+                for sample in self.params(req, max(mt, 1), logprobs).samples()]
         if req.echo and req.logprobs is not None:        # the prompt's own log-probabilities
             runs = [(ids, dataclasses.replace(p, prompt_logprobs=req.logprobs))
                     for ids, p in runs]
@@ -286,10 +324,12 @@ class _Server:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
         if not req.stream:
             outs = await self.collect(request, gens)
+            if ranked:
+                outs = [o for p in range(len(prepared))
+                        for o in _best(outs[p * per_prompt:(p + 1) * per_prompt], req.n,
+                                       keep_logprobs=req.logprobs is not None)]
             if req.max_tokens == 0:          # echo of the prompt alone: the token made is dropped
-                outs = [dataclasses.replace(o, outputs=[dataclasses.replace(
-                    o.outputs[0], text="", token_ids=[], logprobs=(
-                        None if o.outputs[0].logprobs is None else []))]) for o in outs]
+                outs = [_prompt_only(o) for o in outs]
             choices = [self.completion_choice(i, o, req.echo) for i, o in enumerate(outs)]
             body = head | {"choices": choices, "usage": responses.usage(outs)}
             if req.include_spec_metrics:
@@ -298,17 +338,25 @@ class _Server:
 
         async def chunks():
             trackers = [DeltaTracker(req.stop) for _ in gens]
+            echoed: set[int] = set()
             finals: list[RequestOutput] = []
             async with aclosing(merge(gens)) as outs:
                 async for i, out in outs:
+                    if req.max_tokens == 0:      # echo alone: sent once the prompt is scored
+                        if not out.finished:
+                            continue
+                        out = _prompt_only(out)
                     d = trackers[i].next(out)
                     if d is None:
                         continue
+                    text, ids, lps = d.text, d.token_ids, d.logprobs
+                    if req.echo and i not in echoed:     # the prompt comes first, once
+                        echoed.add(i)
+                        text, ids, lps = self.with_prompt(out, text, ids, lps)
                     comp = out.outputs[0]
                     chunk = head | {"choices": [{
-                        "index": i, "text": d.text, "finish_reason": comp.finish_reason,
-                        "logprobs": responses.completion_logprobs(d.token_ids, d.logprobs,
-                                                                  self.decode)}]}
+                        "index": i, "text": text, "finish_reason": comp.finish_reason,
+                        "logprobs": responses.completion_logprobs(ids, lps, self.decode)}]}
                     if out.finished:
                         finals.append(out)
                         if req.include_spec_metrics:
@@ -318,14 +366,19 @@ class _Server:
                 yield head | {"choices": [], "usage": responses.usage(finals)}
         return self.stream(chunks())
 
+    def with_prompt(self, o: RequestOutput, text: str, ids: list[int],
+                    lps: list[dict[int, float]] | None):
+        """`text`, `ids` and `lps` after the prompt's own (echo)."""
+        tok = self.engine.tokenizer
+        prompt = tok.decode(o.prompt_token_ids, skip_special_tokens=False) if tok else ""
+        return (prompt + text, o.prompt_token_ids + ids,
+                None if lps is None else (o.prompt_logprobs or []) + lps)
+
     def completion_choice(self, i: int, o: RequestOutput, echo: bool) -> dict:
         c = o.outputs[0]
         text, ids, lps = c.text, c.token_ids, c.logprobs
-        if echo:                             # the prompt first, with its own log-probabilities
-            tok = self.engine.tokenizer
-            text = (tok.decode(o.prompt_token_ids, skip_special_tokens=False) if tok else "") + text
-            ids = o.prompt_token_ids + ids
-            lps = None if lps is None else (o.prompt_logprobs or []) + lps
+        if echo:
+            text, ids, lps = self.with_prompt(o, text, ids, lps)
         return {"index": i, "text": text,
                 "logprobs": responses.completion_logprobs(ids, lps, self.decode),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
@@ -339,50 +392,48 @@ class _Server:
             raise APIError(400, str(e)) from None
         ((ids, max_tokens),) = self.prepare([prompt], req)
         params = self.params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        if params.n != 1:
-            raise APIError(400, f"n={params.n}: chat completions answer with one choice here; "
-                           "send the request n times with different seeds, or use "
-                           "/v1/completions, which takes n")
         self.check_alive()
         rid, created = new_id("chatcmpl"), now()
-        gen = self.run(ids, params, rid)
+        gens = [self.run(ids, p, f"{rid}-{i}") for i, p in enumerate(params.samples())]
         if not req.stream:
-            (out,) = await self.collect(request, [gen])
-            comp = out.outputs[0]
+            outs = await self.collect(request, gens)
+            choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": responses.chat_logprobs(c.token_ids, c.logprobs,
+                                                            self.decode),
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                       for i, c in enumerate(o.outputs[0] for o in outs)]
             body = {"id": rid, "object": "chat.completion", "created": created,
-                    "model": self.name,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": comp.text},
-                                 "logprobs": responses.chat_logprobs(comp.token_ids,
-                                                                     comp.logprobs, self.decode),
-                                 "finish_reason": comp.finish_reason,
-                                 "stop_reason": comp.stop_reason}],
-                    "usage": responses.usage([out])}
+                    "model": self.name, "choices": choices, "usage": responses.usage(outs)}
             if req.include_spec_metrics:
-                body["spec_metrics"] = responses.spec_metrics(out)
+                body["spec_metrics"] = [responses.spec_metrics(o) for o in outs]
             return JSONResponse(body)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
                 "model": self.name}
 
         async def chunks():
-            yield head | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None}]}
-            tracker, final = DeltaTracker(req.stop), None
-            async with aclosing(gen):
-                async for out in gen:
-                    final = out
-                    d = tracker.next(out)
+            for i in range(len(gens)):
+                yield head | {"choices": [{"index": i, "delta": {"role": "assistant",
+                                                                 "content": ""},
+                                           "logprobs": None, "finish_reason": None}]}
+            trackers = [DeltaTracker(req.stop) for _ in gens]
+            finals: list[RequestOutput] = []
+            async with aclosing(merge(gens)) as outs:
+                async for i, out in outs:
+                    d = trackers[i].next(out)
                     if d is None:
                         continue
                     c = head | {"choices": [{
-                        "index": 0, "delta": {"content": d.text} if d.text else {},
+                        "index": i, "delta": {"content": d.text} if d.text else {},
                         "logprobs": responses.chat_logprobs(d.token_ids, d.logprobs,
                                                             self.decode),
                         "finish_reason": out.outputs[0].finish_reason}]}
-                    if out.finished and req.include_spec_metrics:
-                        c["spec_metrics"] = responses.spec_metrics(out)
+                    if out.finished:
+                        finals.append(out)
+                        if req.include_spec_metrics:
+                            c["spec_metrics"] = responses.spec_metrics(out)
                     yield c
-            if req.stream_options and req.stream_options.include_usage and final is not None:
-                yield head | {"choices": [], "usage": responses.usage([final])}
+            if req.stream_options and req.stream_options.include_usage:
+                yield head | {"choices": [], "usage": responses.usage(finals)}
         return self.stream(chunks())
 
     def card(self) -> dict:
@@ -461,27 +512,35 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None,
     app.add_exception_handler(Exception, internal_error)
 
     app.add_api_route("/v1/completions", s.completions, methods=["POST"], responses=_ERRORS,
-                      openapi_extra=_json_body(CompletionRequest, streams=True))
+                      openapi_extra=_json_body(CompletionRequest, CompletionResponse,
+                                               CompletionChunk))
     app.add_api_route("/v1/chat/completions", s.chat_completions, methods=["POST"],
-                      responses=_ERRORS,
-                      openapi_extra=_json_body(ChatCompletionRequest, streams=True))
-    app.add_api_route("/v1/models", s.models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id}", s.model, methods=["GET"], responses=_ERRORS)
+                      responses=_ERRORS, openapi_extra=_json_body(
+                          ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk))
+    app.add_api_route("/v1/models", s.models, methods=["GET"], response_model=ModelList)
+    app.add_api_route("/v1/models/{model_id}", s.model, methods=["GET"], responses=_ERRORS,
+                      response_model=ModelCard)
     app.add_api_route("/tokenize", s.tokenize, methods=["POST"], responses=_ERRORS,
-                      openapi_extra=_json_body(TokenizeRequest))
+                      openapi_extra=_json_body(TokenizeRequest, TokenizeResponse))
     app.add_api_route("/detokenize", s.detokenize, methods=["POST"], responses=_ERRORS,
-                      openapi_extra=_json_body(DetokenizeRequest))
-    app.add_api_route("/version", s.version, methods=["GET"])
-    app.add_api_route("/health", s.health, methods=["GET"])
+                      openapi_extra=_json_body(DetokenizeRequest, DetokenizeResponse))
+    app.add_api_route("/version", s.version, methods=["GET"], response_model=VersionResponse)
+    app.add_api_route("/health", s.health, methods=["GET"], response_class=Response,
+                      responses={200: {"description": "the engine runs (empty body)"},
+                                 503: _ERRORS[503]})
     app.add_api_route("/health", s.health, methods=["HEAD"], include_in_schema=False)
-    app.add_api_route("/metrics", s.prometheus, methods=["GET"])
+    app.add_api_route("/metrics", s.prometheus, methods=["GET"], response_class=Response,
+                      responses={200: {"description": "Prometheus text format", "content": {
+                          "text/plain": {"schema": {"type": "string"}}}}})
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             schemas = schema.setdefault("components", {}).setdefault("schemas", {})
             for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          DetokenizeRequest):
+                          DetokenizeRequest, CompletionResponse, ChatCompletionResponse,
+                          CompletionChunk, ChatCompletionChunk, TokenizeResponse,
+                          DetokenizeResponse, ErrorResponse):
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(js.pop("$defs", {}))
                 schemas[model.__name__] = js

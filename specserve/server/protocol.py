@@ -67,7 +67,8 @@ class _SamplingFields(BaseModel):
         "at least 1 (0 only with echo: the prompt's log-probabilities alone); at most the "
         "server's --max-tokens-per-request; default the server's --default-max-tokens"))
     temperature: float = Field(default=1.0, ge=0, description=(
-        f"0 = greedy, else at least {MIN_TEMPERATURE}"))
+        f"0 = greedy, else at least {MIN_TEMPERATURE}"), json_schema_extra={
+        "anyOf": [{"const": 0}, {"minimum": MIN_TEMPERATURE}]})
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1)
     stream: bool = False
@@ -139,9 +140,12 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"logit_bias keys must be token ids written as strings, got {bad[:3]}")
         return {int(k): v for k, v in self.logit_bias.items()}
 
+    def samples_per_prompt(self) -> int:
+        return self.n
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            n=self.samples_per_prompt(), temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -155,7 +159,9 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, description=(
+        "samples drawn per prompt, of which the n with the highest sum of log-probabilities "
+        "are returned; at least n, not with stream"))
     suffix: str | None = None
 
     @field_validator("prompt")
@@ -167,13 +173,18 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported_completion(self):
-        if self.echo and self.stream:
-            raise ValueError("echo is for non-streamed completions; drop stream or echo")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of must be 1")
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+            if self.stream and self.best_of > self.n:
+                raise ValueError("best_of > n cannot stream (the best are known only at the "
+                                 "end); drop stream or best_of")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+    def samples_per_prompt(self) -> int:
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -262,3 +273,162 @@ class ErrorResponse(BaseModel):
     """The OpenAI error body every 4xx and 5xx answer carries."""
 
     error: ErrorInfo
+
+
+# ---- success bodies (documented in the OpenAPI document; the routes build them as dicts) -----
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Body):
+    cached_tokens: int = Field(ge=0, description="prompt tokens whose KV the prefix cache held")
+
+
+class Usage(_Body):
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    prompt_tokens_details: PromptTokensDetails
+
+
+class SpecMetrics(_Body):
+    """One request's speculative-decoding summary (include_spec_metrics)."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    acceptance_rate: float
+    mean_acceptance_length: float
+
+
+class CompletionLogprobs(_Body):
+    tokens: list[str]
+    token_logprobs: list[float | None] = Field(description="None for an echoed prompt's first token")
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Body):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Body):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    spec_metrics: list[SpecMetrics | None] | None = None
+
+
+class TopLogprob(_Body):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Body):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(_Body):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Body):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Body):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    spec_metrics: list[SpecMetrics | None] | None = None
+
+
+class ModelCard(_Body):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Body):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Body):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Body):
+    prompt: str
+
+
+class VersionResponse(_Body):
+    version: str
+
+
+class CompletionStreamChoice(_Body):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "error"] | None
+
+
+class CompletionChunk(_Body):
+    """One event of a streamed completion (choices empty in the final usage chunk)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionStreamChoice]
+    usage: Usage | None = None
+    spec_metrics: SpecMetrics | None = None
+
+
+class ChatDelta(_Body):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_Body):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "error"] | None
+
+
+class ChatCompletionChunk(_Body):
+    """One event of a streamed chat completion: each choice's role first, then its text."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    spec_metrics: SpecMetrics | None = None

@@ -106,8 +106,8 @@ def test_bad_bodies_are_400s(client, body, status, message):
                                          "--max-stop-chars)"),
     ({"prompt": "x", "stop_token_ids": [2**70]}, "outside the vocabulary"),
     ({"prompt": "x", "stop_token_ids": [-1]}, "outside the vocabulary"),
-    ({"prompt": [[1]] * 64}, "more than 1024 tokens over its prompts (max_tokens x prompts; the "
-                             "server's --max-tokens-per-request)"),
+    ({"prompt": [[1]] * 64}, "more than 1024 tokens over its prompts (max_tokens x prompts x "
+                             "samples; the server's --max-tokens-per-request)"),
     ({"prompt": "x", "num_speculative_tokens": 1}, "num_speculative_tokens=1 is more than this "
                                                    "server's 0"),
     ({"prompt": "x", "num_speculative_tokens": -1}, "num_speculative_tokens"),
@@ -297,8 +297,9 @@ def test_streamed_logprobs_equal_the_non_streamed_ones(client):
 
 def test_openapi_shows_request_bodies_and_errors(client):
     doc = client.get("/openapi.json").json()
-    for path, model in (("/v1/completions", "CompletionRequest"),
-                        ("/v1/chat/completions", "ChatCompletionRequest")):
+    for path, model, answer in (("/v1/completions", "CompletionRequest", "Completion"),
+                                ("/v1/chat/completions", "ChatCompletionRequest",
+                                 "ChatCompletion")):
         op = doc["paths"][path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref == f"#/components/schemas/{model}"
@@ -312,7 +313,11 @@ def test_openapi_shows_request_bodies_and_errors(client):
         assert props["max_tokens"]["anyOf"][0]["minimum"] == 0
         ok = op["responses"]["200"]["content"]
         assert {"application/json", "text/event-stream"} <= set(ok)
-        assert "[DONE]" in ok["text/event-stream"]["schema"]["description"]
+        assert ok["application/json"]["schema"]["$ref"].endswith(f"/{answer}Response")
+        data = ok["text/event-stream"]["schema"]["properties"]["data"]["anyOf"]
+        assert data[0] == {"const": "[DONE]"}
+        assert data[1]["contentSchema"]["anyOf"][0]["$ref"].endswith(f"/{answer}Chunk")
+        assert {"const": 0} in props["temperature"]["anyOf"]         # 0, or at least 1e-5
     assert "ChatMessage" in doc["components"]["schemas"]          # nested models resolve
 
 

@@ -352,9 +352,43 @@ def test_n_samples_per_prompt(client):
     again = client.completions.create(model=NAME, prompt=["hello", "world"], max_tokens=8, n=3,
                                       temperature=1.0, seed=5, extra_body={"ignore_eos": True})
     assert [c.text for c in again.choices] == texts
-    with pytest.raises(openai.BadRequestError, match="chat completions answer with one choice"):
-        client.chat.completions.create(model=NAME, n=2, max_tokens=2,
-                                       messages=[{"role": "user", "content": "hi"}])
+
+
+def test_chat_n_choices_streamed_and_not(client):
+    """Chat with n: n choices, sample i seeded seed + i as offline, the same streamed."""
+    msgs = [{"role": "user", "content": "hello"}]
+    kw = dict(model=NAME, messages=msgs, n=3, max_tokens=6, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    texts = [c.message.content for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert r.usage.completion_tokens == 18
+    one = client.chat.completions.create(**kw | {"n": 1, "seed": 12})
+    assert one.choices[0].message.content == texts[1]
+    streamed = ["", "", ""]
+    roles = set()
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.delta.role == "assistant":
+                roles.add(c.index)
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == texts and roles == {0, 1, 2}
+
+
+def test_best_of_returns_the_most_likely_samples(client):
+    """best_of draws that many samples and keeps the n whose tokens have the highest summed
+    log-probability: the same samples drawn as n=best_of requests (seeds seed + i), ranked."""
+    kw = dict(model=NAME, prompt="hello", max_tokens=6, temperature=1.0, seed=3,
+              extra_body={"ignore_eos": True})
+    every = client.completions.create(**kw, n=4, logprobs=0)
+    ranked = sorted(every.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(**kw, n=2, best_of=4)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert best.choices[0].logprobs is None and best.usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError, match=r"best_of \(1\) must be at least n"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, n=2, best_of=1)
+    with pytest.raises(openai.BadRequestError, match="best_of > n cannot stream"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, best_of=2, stream=True)
 
 
 def test_loglikelihood_requests_equal_transformers_on_smollm2(smollm2):
@@ -387,5 +421,16 @@ def test_echo_with_a_completion(client):
     lp = r.choices[0].logprobs
     assert r.choices[0].text.startswith("hello") and lp.token_logprobs[0] is None
     assert len(lp.tokens) == r.usage.prompt_tokens + 3
-    with pytest.raises(openai.BadRequestError, match="echo is for non-streamed completions"):
-        client.completions.create(model=NAME, prompt="x", echo=True, stream=True, max_tokens=2)
+    # streamed: the prompt (and its log-probabilities) comes first, then the same tokens
+    text, tokens, lps = "", [], []
+    for chunk in client.completions.create(model=NAME, prompt="hello", echo=True, logprobs=0,
+                                           max_tokens=3, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            text += c.text
+            tokens += c.logprobs.tokens
+            lps += c.logprobs.token_logprobs
+    assert (text, tokens, lps) == (r.choices[0].text, lp.tokens, lp.token_logprobs)
+    alone = list(client.completions.create(model=NAME, prompt="hello", echo=True, logprobs=0,
+                                           max_tokens=0, stream=True))
+    assert [c.text for ch in alone for c in ch.choices] == ["hello"]
