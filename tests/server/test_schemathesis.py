@@ -5,6 +5,9 @@ must be one the document describes, and every body the document forbids must be 
 
 from __future__ import annotations
 
+import collections
+import os
+
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
@@ -24,6 +27,8 @@ from specserve.llm import build_engine_config
 from specserve.server.app import build_app
 from tests.conftest import DEVICE
 
+# more for a long run: SPECSERVE_SCHEMATHESIS_EXAMPLES=400 pytest -s tests/server/test_schemathesis.py
+EXAMPLES = int(os.environ.get("SPECSERVE_SCHEMATHESIS_EXAMPLES", "60"))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance, negative_data_rejection]
 
@@ -42,10 +47,17 @@ def api_schema(text_model_dir):
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
+_sent: collections.Counter = collections.Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    print(f"\nschemathesis: {sum(_sent.values())} requests, by status {dict(_sent)}")
 
 
 @schema.parametrize()
-@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 def test_the_server_answers_as_its_openapi_document_says(case):
-    case.call_and_validate(checks=CHECKS)
+    _sent[case.call_and_validate(checks=CHECKS).status_code] += 1
