@@ -110,6 +110,9 @@ def main(argv: list[str]) -> None:
                    help="N > 1: also run no-spec with the target split over N ranks (one process "
                         "each, the threads shared out), beside one rank")
     p.add_argument("--title", default="Offline latency: specserve methods and transformers")
+    p.add_argument("--published-name", default=None,
+                   help="name under benchmarks/latest/ (default: latency, the device and the "
+                        "target): a run of another workload beside the main one")
     report.add_output_args(p)
     a = p.parse_args(argv)
     target, draft = resolve_models(a)
@@ -206,4 +209,6 @@ def main(argv: list[str]) -> None:
             "prompt_ms": {"lengths": lengths, "by_config": prefill},
             "suites": {key: [r.as_dict() for r in results]
                        for key, results in all_results.items()}}
+    if a.published_name:
+        data["published_name"] = a.published_name
     print(report.save(data, a.out, a.publish))

@@ -5,13 +5,17 @@
   tasks whose answer repeats much of the prompt (where prompt lookup shines).
 - chat: the held-out chat prompts (`chat_prompts`), each a user message that the benchmark
   renders with the target's chat template (CHAT_SETS).
+- code: the held-out code tasks ("Write a Python function ..."), chat messages too.
+- random: requests for made-up content (serial numbers, invented words), meant to be sampled
+  at temperature 1: the workload where no drafter should pay (what `auto` must not lose on).
+  Their template is used nowhere in training.
 """
 
 from __future__ import annotations
 
 import re
 
-from specserve.data.chat_prompts import chat_prompts
+from specserve.data.chat_prompts import TOPICS, chat_prompts, code_tasks, held_out
 from specserve.data.corpus import Corpus, read_text
 
 _DEF = re.compile(r"^(    )?(def|class) \w+", re.M)
@@ -49,6 +53,17 @@ def heldout_chat_prompts(num: int = 8) -> list[str]:
     return chat_prompts("heldout")[:num]
 
 
+def heldout_code_prompts(num: int = 8) -> list[str]:
+    return [p for p in code_tasks(600) if held_out(p)][:num]
+
+
+def random_prompts(num: int = 8) -> list[str]:
+    return [f"Make up {10 + i % 3 * 5} product names about {topic}, each followed by a random "
+            "twelve-character serial number of letters and digits, one per line."
+            for i, topic in enumerate(TOPICS[::7][:num])]
+
+
 PROMPT_SETS = {"completion": completion_prompts, "editing": editing_prompts,
-               "chat": heldout_chat_prompts}
-CHAT_SETS = frozenset({"chat"})         # user messages: rendered with the chat template
+               "chat": heldout_chat_prompts, "code": heldout_code_prompts,
+               "random": random_prompts}
+CHAT_SETS = frozenset({"chat", "code", "random"})   # user messages: rendered with the chat template

@@ -27,3 +27,12 @@ def test_code_tasks_give_a_signature_and_a_summary_never_a_body():
     for t in tasks:
         assert t.startswith("Write a Python function `") and "It should do this: " in t
         assert "\n" not in t           # the docstring's first line only
+
+
+def test_benchmark_sets_are_never_trained_on():
+    from specserve.data.prompts import PROMPT_SETS
+    train = set(chat_prompts("train"))
+    for name in ("chat", "code", "random"):
+        prompts = PROMPT_SETS[name](8)
+        assert len(prompts) == 8 and not train & set(prompts), name
+    assert all(p.startswith("Write a Python function") for p in PROMPT_SETS["code"](8))
