@@ -43,16 +43,18 @@ from pathlib import Path
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.bench.probes import machine
+from specserve.bench.probes import machine, memory_bandwidth_gbs, weight_bytes
 from specserve.bench.random_models import resolve
 from specserve.bench.report import median_cell, published_suffix
 from specserve.data.prompts import PROMPT_SETS
 from specserve.kernels.cpu import cpu_flags
+from specserve.models.catalogue import bundled_drafters, resolve_model
+from specserve.models.loader import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "runs" / "llama.cpp"
 PACKAGE = "llama-cpp-python"
-TOOLS = ("llama-bench", "llama-speculative-simple")
+TOOLS = ("llama-bench", "llama-speculative-simple", "llama-quantize")
 # the specserve side beside each GGUF type: the LLM's arguments and the speculative_config
 # keys that put the drafter's weights in the same precision (llama.cpp drafts with the draft
 # GGUF of that type)
@@ -132,14 +134,28 @@ def llama_plain(model: Path, tokens: int, threads: int) -> float:
     return float(rows[0]["avg_ts"])
 
 
-def llama_speculative(target: Path, draft: Path, prompts: list[str], tokens: int, k: int,
+def requantize(shipped: Path, outtype: str) -> Path:
+    """The shipped GGUF rewritten by llama-quantize as `outtype` (its weights dequantized from
+    the shipped blocks, then stored as outtype): the file both engines then read."""
+    out = WORK / "gguf" / f"{shipped.stem}-{outtype.lower()}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        run([str(WORK / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(shipped),
+             str(out), outtype.upper()])
+    return out
+
+
+def llama_speculative(target: Path, draft: Path | None, prompts: list[str], tokens: int, k: int,
                       threads: int) -> float:
+    """Decode tokens/s of llama-speculative-simple, the median over prompts: drafting with
+    `draft` (draft-simple), or without one by n-gram lookup in the context (ngram-simple)."""
+    how = (["-md", str(draft), "-td", str(threads), "--spec-type", "draft-simple"] if draft
+           else ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", str(k)])
     speeds = []
     for p in prompts:
         out = run([str(WORK / "build" / "bin" / "llama-speculative-simple"), "-m", str(target),
-                   "-md", str(draft), "--spec-type", "draft-simple", "-p", p, "-n", str(tokens),
-                   "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0", "--temp", "0",
-                   "-t", str(threads), "-td", str(threads), "-c", "1024"])
+                   *how, "-p", p, "-n", str(tokens), "--spec-draft-n-max", str(k),
+                   "--spec-draft-n-min", "0", "--temp", "0", "-t", str(threads), "-c", "1024"])
         speeds.append(float(re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ seconds, speed:\s+"
                                       r"([\d.]+) t/s", out)[1]))
     return statistics.median(speeds)
@@ -162,6 +178,49 @@ def specserve_decode(llm: LLM, prompts: list[str], tokens: int) -> float:
                              for o in outs)
 
 
+# a shipped GGUF's types, each beside specserve's precision for that file (it has no 4-bit
+# path: it reads the Q4_1 file into int8)
+GGUF_PRECISIONS = {"q4_1 (as shipped)": PRECISIONS["q8_0"], "q8_0": PRECISIONS["q8_0"],
+                   "bf16": PRECISIONS["bf16"]}
+
+
+def gguf_runs(a: argparse.Namespace, ks: list[int], streamed: dict[tuple, dict]
+              ) -> dict[tuple, Callable[[], float]]:
+    """A shipped GGUF (a catalogue name, e.g. smollm2-135m-instruct) as shipped and rewritten
+    as Q8_0 and BF16, each file read by both engines: plain and n-gram lookup on both sides,
+    and specserve's drafters bundled for it. `streamed` gets each (model, precision)'s bytes
+    read per token on each side (the file's tensors; specserve's weights as it holds them)."""
+    shipped = Path(resolve_model(a.gguf))
+    tok = load_tokenizer(str(shipped))
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}])
+               for p in PROMPT_SETS["chat"](a.num_prompts)]
+    name = f"{a.gguf} ({shipped.name}), held-out chat prompts"
+    heads = {d.removeprefix(f"{a.gguf}-"): d for d in bundled_drafters(a.gguf)}
+    runs: dict[tuple, Callable[[], float]] = {}
+    for label, (precision, drafter) in GGUF_PRECISIONS.items():
+        path = shipped if label.endswith("(as shipped)") else requantize(shipped, label)
+        runs[(name, label, "no speculation", "llama.cpp")] = functools.partial(
+            llama_plain, path, a.tokens, a.threads)
+        specs: dict[str, dict | None] = {"no speculation": None}
+        for k in ks:
+            runs[(name, label, f"n-gram lookup, K={k}", "llama.cpp")] = functools.partial(
+                llama_speculative, path, None, prompts, a.tokens, k, a.threads)
+            specs[f"n-gram lookup, K={k}"] = {"method": "ngram", "num_speculative_tokens": k}
+        for method, model in heads.items():
+            k = 1 if method == "mtp" else 2          # each head's best K in the latency runs
+            specs[f"{method} (bundled), K={k} (specserve only)"] = {
+                "method": method, "model": model, "num_speculative_tokens": k, **drafter}
+        for config, spec in specs.items():
+            llm = specserve_engine(str(path), spec, precision, prompts[0])
+            runs[(name, label, config, "specserve")] = functools.partial(
+                specserve_decode, llm, prompts, a.tokens)
+            if spec is None:
+                streamed[(name, label)] = {
+                    "llama.cpp": path.stat().st_size,
+                    "specserve": weight_bytes(llm.engine.model, streamed=True)}
+    return runs
+
+
 def _cell(v: dict, side: str) -> str:
     return median_cell(v[side], v.get(f"{side} rounds") or []) if side in v else ""
 
@@ -174,7 +233,8 @@ def markdown(data: dict) -> str:
              f"- command: `{data['command']}`",
              f"- batch 1, greedy, decode tokens/s after the first token: median over "
              f"{data.get('rounds', 1)} rounds (their range); K={data['k']}; {data['tokens']} "
-             f"new tokens, {data['num_prompts']} held-out completion prompts", ""]
+             f"new tokens, {data['num_prompts']} held-out {data.get('prompts', 'completion')} "
+             "prompts", ""]
     for name, rows in data["models"].items():
         best_l = max(v["llama.cpp"] for configs in rows.values() for v in configs.values()
                      if "llama.cpp" in v)
@@ -190,6 +250,13 @@ def markdown(data: dict) -> str:
                 lines.append(f"| {prec} | {config} | {_cell(v, 'llama.cpp')} | "
                              f"{_cell(v, 'specserve')} | {ratio} | {best} |")
         lines.append("")
+    if data.get("floor_tokens_per_s"):
+        lines += [f"Bandwidth floor (read bandwidth {data['bandwidth_gbs']:.1f} GB/s measured "
+                  "in the run; bytes a token reads on each side), tokens/s:", "",
+                  "| model / precision | llama.cpp | specserve |", "|---|---:|---:|"]
+        lines += [f"| {k} | {v['llama.cpp']:.1f} | {v['specserve']:.1f} |"
+                  for k, v in data["floor_tokens_per_s"].items()]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -201,6 +268,10 @@ def main() -> None:
     p.add_argument("--random", default="llama-3.2-1b",
                    help="a random-weight shape for plain decode where it is memory-bound "
                         "('' = none)")
+    p.add_argument("--gguf", default=None,
+                   help="a catalogue target shipped as GGUF (smollm2-135m-instruct): measure it "
+                        "as shipped, as Q8_0 and as BF16 instead of the bundled pair and the "
+                        "random shape")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("-k", default="2,3,4", help="the K of speculation, comma-separated")
@@ -216,7 +287,11 @@ def main() -> None:
     # (model, precision, configuration, side) -> what measures it once, in tokens/s
     runs: dict[tuple[str, str, str, str], Callable[[], float]] = {}
     bundled = f"bundled pair ({a.target}, {a.draft})"
-    for outtype, (precision, drafter) in PRECISIONS.items():
+    streamed: dict[tuple, dict] = {}
+    bw = memory_bandwidth_gbs()
+    if a.gguf:
+        runs.update(gguf_runs(a, ks, streamed))
+    for outtype, (precision, drafter) in ({} if a.gguf else PRECISIONS).items():
         t, d = gguf(src, a.target, outtype), gguf(src, a.draft, outtype)
         specs = {"no speculation": None}
         runs[(bundled, outtype, "no speculation", "llama.cpp")] = functools.partial(
@@ -233,7 +308,7 @@ def main() -> None:
             llm = specserve_engine(a.target, spec, precision, prompts[0])
             runs[(bundled, outtype, config, "specserve")] = functools.partial(
                 specserve_decode, llm, prompts, a.tokens)
-    if a.random:
+    if a.random and not a.gguf:
         target = resolve("random:" + a.random, a.target)
         name = f"random:{a.random} (memory-bound)"
         for outtype, (precision, _) in PRECISIONS.items():
@@ -246,16 +321,22 @@ def main() -> None:
     for r in range(a.rounds):
         for key in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
             measured[key].append(runs[key]())
+    bw = max(bw, memory_bandwidth_gbs())     # the higher of two readings (a shared machine)
     models: dict[str, dict] = {}
     for (model, outtype, config, side), speeds in measured.items():
         v = models.setdefault(model, {}).setdefault(outtype, {}).setdefault(config, {})
         v[side], v[f"{side} rounds"] = statistics.median(speeds), speeds
+    # the bandwidth floor: tokens/s if a token cost only reading its weights once
+    floors = {f"{model} / {outtype}": {side: bw * 1e9 / b for side, b in by_side.items()}
+              for (model, outtype), by_side in streamed.items()}
     data = {"benchmark": "llama-cpp", "title": "specserve against llama.cpp (CPU, same weights)",
             "command": "python benchmarks/llama_cpp.py " + " ".join(sys.argv[1:]),
             "machine": machine(a.threads),
             "llama_cpp": src.parent.parent.name, "threads": a.threads, "k": a.k,
             "rounds": a.rounds,
-            "tokens": a.tokens, "num_prompts": a.num_prompts, "models": models}
+            "tokens": a.tokens, "num_prompts": a.num_prompts,
+            "prompts": "chat (through the chat template)" if a.gguf else "completion",
+            "bandwidth_gbs": bw, "floor_tokens_per_s": floors, "models": models}
     stem = f"llama-cpp-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     out = REPO / "runs" / "llama_cpp"
     out.mkdir(parents=True, exist_ok=True)
