@@ -407,6 +407,12 @@ MANIFEST_STAGES = {
     "smollm2-135m-instruct-mtp": "mtp layer for the frozen SmolLM2-135M-Instruct (its "
                                  "embedding and lm_head shared): specserve train chat-data, "
                                  "then train mtp --hidden-states (benchmarks/README.md)",
+    "smollm2-135m-instruct-eagle": "eagle head (EAGLE-1) for SmolLM2-135M-Instruct (its "
+                                   "embedding and lm_head shared): specserve train chat-data, "
+                                   "then train eagle --hidden-states (benchmarks/README.md)",
+    "smollm2-135m-instruct-medusa": "medusa heads for SmolLM2-135M-Instruct (its lm_head "
+                                    "shared): specserve train chat-data, then train medusa "
+                                    "--hidden-states (benchmarks/README.md)",
 }
 
 
