@@ -64,7 +64,7 @@ PRECISIONS = {"bf16": ({"dtype": "bfloat16"}, {}),
 
 def run(cmd: list[str], **kw) -> str:
     print("$", " ".join(map(str, cmd)), flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    out = subprocess.run(cmd, capture_output=True, text=True, errors="replace", **kw)
     if out.returncode:
         raise SystemExit(f"{cmd[0]} failed ({out.returncode}):\n{out.stderr[-4000:]}")
     return out.stdout + out.stderr

@@ -170,6 +170,10 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel workers (also done when the engine is collected)."""
         self.executor.close()
+        if self.config.model_config.freeze_gc:
+            # frozen objects are never collected: a closed engine's tensors stayed resident,
+            # so a benchmark's engines, one set after another, filled the memory
+            gc.unfreeze()
 
     def _draft_max_len(self, given: int | None, drafter: int | None) -> int | None:
         """speculative max_model_len: at most the target's and the drafter's own (vLLM's

@@ -316,8 +316,8 @@ class _Server:
         runs = [(ids, sample) for ids, mt in prepared
                 for sample in self.params(req, max(mt, 1), logprobs).samples()]
         if req.echo and req.logprobs is not None:        # the prompt's own log-probabilities
-            runs = [(ids, dataclasses.replace(p, prompt_logprobs=req.logprobs))
-                    for ids, p in runs]
+            runs = [(ids, dataclasses.replace(p, prompt_logprobs=max(
+                req.logprobs, req.prompt_logprobs or 0))) for ids, p in runs]
         self.check_alive()
         rid, created = new_id("cmpl"), now()
         gens = [self.run(ids, p, f"{rid}-{i}") for i, (ids, p) in enumerate(runs)]
@@ -331,6 +331,9 @@ class _Server:
             if req.max_tokens == 0:          # echo of the prompt alone: the token made is dropped
                 outs = [_prompt_only(o) for o in outs]
             choices = [self.completion_choice(i, o, req.echo) for i, o in enumerate(outs)]
+            if req.prompt_logprobs is not None:
+                for c, o in zip(choices, outs):
+                    c["prompt_logprobs"] = responses.prompt_logprobs(o, self.decode)
             body = head | {"choices": choices, "usage": responses.usage(outs)}
             if req.include_spec_metrics:
                 body["spec_metrics"] = [responses.spec_metrics(o) for o in outs]
@@ -402,6 +405,9 @@ class _Server:
                                                             self.decode),
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                        for i, c in enumerate(o.outputs[0] for o in outs)]
+            if req.prompt_logprobs is not None:
+                for c, o in zip(choices, outs):
+                    c["prompt_logprobs"] = responses.prompt_logprobs(o, self.decode)
             body = {"id": rid, "object": "chat.completion", "created": created,
                     "model": self.name, "choices": choices, "usage": responses.usage(outs)}
             if req.include_spec_metrics:

@@ -101,9 +101,16 @@ class _SamplingFields(BaseModel):
     num_speculative_tokens: int | None = Field(
         default=None, ge=0, description="drafts per step for this request: 0 = no speculation; "
         "at most the server's num_speculative_tokens (default: that)")
+    prompt_logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description=(
+            "vLLM's: each prompt token's log-probability given the tokens before it, with the "
+            "top N, in each choice's prompt_logprobs (not with stream)"))
 
     @model_validator(mode="after")
     def _checks(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs come with non-streamed answers; drop stream or "
+                             "prompt_logprobs")
         if self.max_tokens == 0 and getattr(self, "echo", False):
             return self                  # the prompt's log-probabilities only (echo)
         if self.max_tokens is not None and self.max_tokens <= 0:
@@ -152,7 +159,7 @@ class _SamplingFields(BaseModel):
             num_speculative_tokens=self.num_speculative_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.token_bias(),
-            structured_outputs=self.structured())
+            prompt_logprobs=self.prompt_logprobs, structured_outputs=self.structured())
 
 
 class CompletionRequest(_SamplingFields):
@@ -309,12 +316,22 @@ class CompletionLogprobs(_Body):
     text_offset: list[int]
 
 
+class PromptLogprob(_Body):
+    logprob: float
+    decoded_token: str
+
+
+# prompt_logprobs of a choice: None for the first token, then token id -> its entry
+PromptLogprobs = list[dict[str, PromptLogprob] | None] | None
+
+
 class CompletionChoice(_Body):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length", "abort", "error"] | None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs = None
 
 
 class CompletionResponse(_Body):
@@ -352,6 +369,7 @@ class ChatChoice(_Body):
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length", "abort", "error"] | None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs = None
 
 
 class ChatCompletionResponse(_Body):

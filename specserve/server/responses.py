@@ -34,6 +34,14 @@ def chat_logprobs(token_ids: list[int], lps: list[dict[int, float]] | None,
                         for t, lp in zip(token_ids, lps)]}
 
 
+def prompt_logprobs(o: RequestOutput, dec: Decode) -> list[dict | None]:
+    """vLLM's prompt_logprobs of a choice: None for the first token, then for each prompt
+    token {token id (a string): {logprob, decoded_token}} with the prompt's token and the top N."""
+    return [None if lp is None else {str(t): {"logprob": v, "decoded_token": dec(t)}
+                                     for t, v in lp.items()}
+            for lp in o.prompt_logprobs or []]
+
+
 def usage(outs: list[RequestOutput]) -> dict:
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(o.outputs[0].token_ids) for o in outs)

@@ -178,6 +178,19 @@ def test_the_engine_leaves_the_garbage_collector_alone_unless_asked(llama_dir):
     gc.unfreeze()
 
 
+def test_a_closed_frozen_engine_is_freed(llama_dir):
+    """Closing an engine that froze the collector lets its models go: a benchmark's engines,
+    one set after another, stayed resident until the machine ran out of memory."""
+    import gc
+    import weakref
+    llm = LLM(str(llama_dir), device=DEVICE, freeze_gc=True)
+    model = weakref.ref(llm.engine.model)
+    llm.engine.close()
+    del llm
+    gc.collect()
+    assert model() is None
+
+
 def test_the_engine_logs_its_backends_in_one_line(llama_dir, draft_dir, caplog):
     import logging
     caplog.set_level(logging.INFO, logger="specserve")

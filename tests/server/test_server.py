@@ -434,3 +434,26 @@ def test_echo_with_a_completion(client):
     alone = list(client.completions.create(model=NAME, prompt="hello", echo=True, logprobs=0,
                                            max_tokens=0, stream=True))
     assert [c.text for ch in alone for c in ch.choices] == ["hello"]
+
+
+def test_prompt_logprobs_field(client, server):
+    """vLLM's prompt_logprobs: each prompt token's log-probability (None for the first), the
+    same numbers as echo's, on both routes; refused with stream."""
+    base = server[0]
+    echo = client.completions.create(model=NAME, prompt="hello world", echo=True, logprobs=0,
+                                     max_tokens=0)
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hello world", "max_tokens": 2,
+                                                   "prompt_logprobs": 1}).json()
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == r["usage"]["prompt_tokens"]
+    ids = httpx.post(base + "/tokenize", json={"prompt": "hello world"}).json()["tokens"]
+    got = [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], plp[1:])]
+    assert got == pytest.approx(echo.choices[0].logprobs.token_logprobs[1:], abs=1e-5)
+    assert all(1 <= len(entry) <= 2 for entry in plp[1:])
+    chat = httpx.post(base + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "prompt_logprobs": 0}).json()
+    assert chat["choices"][0]["prompt_logprobs"][0] is None
+    bad = httpx.post(base + "/v1/completions", json={"prompt": "x", "prompt_logprobs": 1,
+                                                     "stream": True})
+    assert bad.status_code == 400 and "prompt_logprobs" in bad.json()["error"]["message"]
