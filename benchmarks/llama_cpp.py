@@ -22,7 +22,7 @@ greedy). Not a test; CI does not run it.
      is loaded once and warmed up before the first round.
    Speculation runs at each K of `-k` on both sides: each side's best K counts.
 Writes runs/llama_cpp/llama-cpp-DATE.{json,md}; with --publish, benchmarks/latest/llama-cpp.*
-and a line in benchmarks/HISTORY.md.
+(llama-cpp-GGUF.* with --gguf) and a line in benchmarks/HISTORY.md.
 """
 
 from __future__ import annotations
@@ -345,7 +345,8 @@ def main() -> None:
     (out / f"{stem}.md").write_text(table + "\n")
     print(table)
     if a.publish:
-        latest = REPO / "benchmarks" / "latest" / f"llama-cpp{published_suffix(data['machine'])}"
+        name = "llama-cpp" + published_suffix(data["machine"]) + (f"-{a.gguf}" if a.gguf else "")
+        latest = REPO / "benchmarks" / "latest" / name
         latest.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
         latest.with_suffix(".md").write_text(table + "\n")
         ratios = "; ".join(f"{name}: " + ", ".join(

@@ -21,13 +21,12 @@ import json
 
 import llguidance
 import llguidance.torch as llt
-from llguidance.gbnf_to_lark import any_to_lark
 import torch
+from llguidance.gbnf_to_lark import any_to_lark
 
 from specserve.sampling_params import StructuredOutputsParams
 from specserve.token_tree import draft_paths
 from specserve.tokenizer import Tokenizer
-
 
 # JSON as models write it ({"a": 1, "b": [2, 3]}), without the freedom to pad it with
 # whitespace: a small model left that freedom can spend its whole budget on it

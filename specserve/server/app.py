@@ -311,7 +311,7 @@ class _Server:
         per_prompt = req.samples_per_prompt()
         # best_of > n ranks the samples by their tokens' log-probabilities: ask for them
         ranked = per_prompt > req.n
-        logprobs = max(req.logprobs or 0, 0) if ranked else req.logprobs
+        logprobs = (req.logprobs or 0) if ranked else req.logprobs
         # samples per prompt: choice p * n + i is prompt p's sample i, as OpenAI orders them
         runs = [(ids, sample) for ids, mt in prepared
                 for sample in self.params(req, max(mt, 1), logprobs).samples()]

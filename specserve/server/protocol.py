@@ -152,10 +152,10 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            n=self.samples_per_prompt(), temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, stop=self.stop,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            n=self.samples_per_prompt(), temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, seed=self.seed, max_tokens=max_tokens,
+            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             num_speculative_tokens=self.num_speculative_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.token_bias(),
@@ -311,7 +311,8 @@ class SpecMetrics(_Body):
 
 class CompletionLogprobs(_Body):
     tokens: list[str]
-    token_logprobs: list[float | None] = Field(description="None for an echoed prompt's first token")
+    token_logprobs: list[float | None] = Field(
+        description="None for an echoed prompt's first token")
     top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 

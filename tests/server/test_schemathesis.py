@@ -27,7 +27,7 @@ from specserve.llm import build_engine_config
 from specserve.server.app import build_app
 from tests.conftest import DEVICE
 
-# more for a long run: SPECSERVE_SCHEMATHESIS_EXAMPLES=400 pytest -s tests/server/test_schemathesis.py
+# a long run: SPECSERVE_SCHEMATHESIS_EXAMPLES=400 pytest -s tests/server/test_schemathesis.py
 EXAMPLES = int(os.environ.get("SPECSERVE_SCHEMATHESIS_EXAMPLES", "60"))
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance, negative_data_rejection]
