@@ -330,10 +330,8 @@ class _Server:
                                        keep_logprobs=req.logprobs is not None)]
             if req.max_tokens == 0:          # echo of the prompt alone: the token made is dropped
                 outs = [_prompt_only(o) for o in outs]
-            choices = [self.completion_choice(i, o, req.echo) for i, o in enumerate(outs)]
-            if req.prompt_logprobs is not None:
-                for c, o in zip(choices, outs):
-                    c["prompt_logprobs"] = responses.prompt_logprobs(o, self.decode)
+            choices = self.with_prompt_logprobs(
+                req, [self.completion_choice(i, o, req.echo) for i, o in enumerate(outs)], outs)
             body = head | {"choices": choices, "usage": responses.usage(outs)}
             if req.include_spec_metrics:
                 body["spec_metrics"] = [responses.spec_metrics(o) for o in outs]
@@ -369,6 +367,14 @@ class _Server:
                 yield head | {"choices": [], "usage": responses.usage(finals)}
         return self.stream(chunks())
 
+    def with_prompt_logprobs(self, req, choices: list[dict], outs: list[RequestOutput]
+                             ) -> list[dict]:
+        """`choices` with vLLM's prompt_logprobs added when the request asked for them."""
+        if req.prompt_logprobs is not None:
+            for c, o in zip(choices, outs):
+                c["prompt_logprobs"] = responses.prompt_logprobs(o, self.decode)
+        return choices
+
     def with_prompt(self, o: RequestOutput, text: str, ids: list[int],
                     lps: list[dict[int, float]] | None):
         """`text`, `ids` and `lps` after the prompt's own (echo)."""
@@ -400,14 +406,11 @@ class _Server:
         gens = [self.run(ids, p, f"{rid}-{i}") for i, p in enumerate(params.samples())]
         if not req.stream:
             outs = await self.collect(request, gens)
-            choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": responses.chat_logprobs(c.token_ids, c.logprobs,
-                                                            self.decode),
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-                       for i, c in enumerate(o.outputs[0] for o in outs)]
-            if req.prompt_logprobs is not None:
-                for c, o in zip(choices, outs):
-                    c["prompt_logprobs"] = responses.prompt_logprobs(o, self.decode)
+            choices = self.with_prompt_logprobs(req, [
+                {"index": i, "message": {"role": "assistant", "content": c.text},
+                 "logprobs": responses.chat_logprobs(c.token_ids, c.logprobs, self.decode),
+                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                for i, c in enumerate(o.outputs[0] for o in outs)], outs)
             body = {"id": rid, "object": "chat.completion", "created": created,
                     "model": self.name, "choices": choices, "usage": responses.usage(outs)}
             if req.include_spec_metrics:

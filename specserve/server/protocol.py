@@ -324,22 +324,31 @@ class PromptLogprob(_Body):
 
 # prompt_logprobs of a choice: None for the first token, then token id -> its entry
 PromptLogprobs = list[dict[str, PromptLogprob] | None] | None
+FinishReason = Literal["stop", "length", "abort", "error"] | None
 
 
-class CompletionChoice(_Body):
+class _Answer(_Body):
+    """What every answer and stream chunk of the generation routes carries."""
+
+    id: str
+    created: int
+    model: str
+
+
+class CompletionStreamChoice(_Body):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    finish_reason: FinishReason
+
+
+class CompletionChoice(CompletionStreamChoice):
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs = None
 
 
-class CompletionResponse(_Body):
-    id: str
+class CompletionResponse(_Answer):
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage
     spec_metrics: list[SpecMetrics | None] | None = None
@@ -368,16 +377,13 @@ class ChatChoice(_Body):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    finish_reason: FinishReason
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs = None
 
 
-class ChatCompletionResponse(_Body):
-    id: str
+class ChatCompletionResponse(_Answer):
     object: Literal["chat.completion"]
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
     spec_metrics: list[SpecMetrics | None] | None = None
@@ -410,20 +416,10 @@ class VersionResponse(_Body):
     version: str
 
 
-class CompletionStreamChoice(_Body):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None
-
-
-class CompletionChunk(_Body):
+class CompletionChunk(_Answer):
     """One event of a streamed completion (choices empty in the final usage chunk)."""
 
-    id: str
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionStreamChoice]
     usage: Usage | None = None
     spec_metrics: SpecMetrics | None = None
@@ -438,16 +434,13 @@ class ChatStreamChoice(_Body):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None
+    finish_reason: FinishReason
 
 
-class ChatCompletionChunk(_Body):
+class ChatCompletionChunk(_Answer):
     """One event of a streamed chat completion: each choice's role first, then its text."""
 
-    id: str
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
     spec_metrics: SpecMetrics | None = None
