@@ -171,8 +171,7 @@ class LLMEngine:
         """Stop the tensor-parallel workers (also done when the engine is collected)."""
         self.executor.close()
         if self.config.model_config.freeze_gc:
-            # frozen objects are never collected: a closed engine's tensors stayed resident,
-            # so a benchmark's engines, one set after another, filled the memory
+            # frozen objects are never collected: its tensors would stay resident for good
             gc.unfreeze()
 
     def _draft_max_len(self, given: int | None, drafter: int | None) -> int | None:
