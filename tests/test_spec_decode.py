@@ -39,19 +39,26 @@ def _greedy(max_tokens=30, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
+def _seeded(i: int, **kw) -> SamplingParams:
+    """A seeded sampled request: its tokens do not depend on speculation."""
+    return SamplingParams(**{"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i,
+                             "max_tokens": 30, "ignore_eos": True} | kw)
+
+
 def assert_lossless_alone_and_mixed(target, spec: dict, num_prompts: int = 8,
                                     max_model_len: int = 96) -> dict:
     """Greedy output with `spec` equals the target's alone and in a mixed batch (prompts
-    chunked 24 tokens a step, continuous batching over 4 slots), and drafts were made; returns
-    the stats."""
+    chunked 24 tokens a step, continuous batching over 4 slots), seeded samples among them
+    equal too, and drafts were made; returns the stats."""
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(num_prompts, seed=3)]
+    params = [_greedy(40) if i % 2 == 0 else _seeded(i, max_tokens=40) for i in range(len(ps))]
     base = LLM(str(target), device=DEVICE, max_model_len=max_model_len, max_num_seqs=4)
-    ref = [o.outputs[0].token_ids for o in base.generate(ps, _greedy(40), use_tqdm=False)]
+    ref = [o.outputs[0].token_ids for o in base.generate(ps, params, use_tqdm=False)]
     llm = LLM(str(target), device=DEVICE, max_model_len=max_model_len, max_num_seqs=4,
               max_num_batched_tokens=24, speculative_config=spec)
-    alone = [llm.generate(p, _greedy(40), use_tqdm=False)[0].outputs[0].token_ids
-             for p in ps[:2]]
-    mixed = [o.outputs[0].token_ids for o in llm.generate(ps, _greedy(40), use_tqdm=False)]
+    alone = [llm.generate(p, sp, use_tqdm=False)[0].outputs[0].token_ids
+             for p, sp in zip(ps[:2], params)]
+    mixed = [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
     assert alone == ref[:2] and mixed == ref
     m = llm.get_stats()
     assert m["spec_decode_num_draft_tokens"] > m["spec_decode_num_drafts"] > 0
@@ -147,9 +154,10 @@ PROMPT8 = [1, 2, 3, 1, 2]
 TOP_K = 3
 
 
-def _params(i: int, max_tokens: int = 3) -> SamplingParams:
-    return SamplingParams(temperature=1.0, top_k=TOP_K, seed=i, max_tokens=max_tokens,
-                          ignore_eos=True)
+def _params(i: int, max_tokens: int = 3, seeded: bool = False) -> SamplingParams:
+    """Unseeded: the rejection sampler; seeded: coupled verification (rejection.py)."""
+    return SamplingParams(temperature=1.0, top_k=TOP_K, seed=i if seeded else None,
+                          max_tokens=max_tokens, ignore_eos=True)
 
 
 def _exact_pair_distribution(target, prompt: list[int] = PROMPT8) -> torch.Tensor:
@@ -173,10 +181,11 @@ def _exact_pair_distribution(target, prompt: list[int] = PROMPT8) -> torch.Tenso
 
 
 def _token_hist(llm, n: int, offset: int, max_tokens: int = 3,
-                prompt: list[int] = PROMPT8) -> torch.Tensor:
+                prompt: list[int] = PROMPT8, seeded: bool = False) -> torch.Tensor:
     """Empirical joint distribution of generated tokens 2 and 3 (both from verify steps)."""
     outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n,
-                        [_params(i + offset, max_tokens) for i in range(n)], use_tqdm=False)
+                        [_params(i + offset, max_tokens, seeded) for i in range(n)],
+                        use_tqdm=False)
     hist = torch.zeros(8, 8)
     for o in outs:
         a, b = o.outputs[0].token_ids[1:3]
@@ -200,14 +209,15 @@ def test_no_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pai
     assert tv < TV_BOUND, f"total variation {tv:.3f}"
 
 
-@pytest.mark.parametrize("rejection, draft_sample, extra", [
-    ("strict", "greedy", {}), ("strict", "probabilistic", {}),
-    ("probabilistic", "probabilistic", {}),
+@pytest.mark.parametrize("rejection, draft_sample, extra, seeded", [
+    ("strict", "greedy", {}, False), ("strict", "probabilistic", {}, False),
+    ("probabilistic", "probabilistic", {}, False),
     # the prompt holds 2 of the 3 first tokens the target can pick: those requests draft by
     # prompt lookup (one-hot drafts), the others by the draft model (sampled, with their probs)
-    ("probabilistic", "probabilistic", {"hybrid_prompt_lookup": 1})])
+    ("probabilistic", "probabilistic", {"hybrid_prompt_lookup": 1}, False),
+    ("probabilistic", "probabilistic", {}, True)])
 def test_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs, rejection,
-                                                  draft_sample, extra):
+                                                  draft_sample, extra, seeded):
     target, draft = small_vocab_pair
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2,
             "rejection_sample_method": rejection, "draft_sample_method": draft_sample} | extra
@@ -215,19 +225,24 @@ def test_spec_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs,
               max_num_batched_tokens=512)
     prompt = [4, 5, 6, 1, 2] if extra else PROMPT8
     exact = _exact_pair_distribution(target, prompt) if extra else exact_pairs
-    tv = 0.5 * (_token_hist(llm, N_SAMPLES, 100_000, prompt=prompt) - exact).abs().sum().item()
+    hist = _token_hist(llm, N_SAMPLES, 100_000, prompt=prompt, seeded=seeded)
+    tv = 0.5 * (hist - exact).abs().sum().item()
     assert llm.get_stats()["acceptance_rate"] < 0.95       # rejections were exercised
     if extra:
         assert 0.2 < llm.engine.proposer.num_lookup_drafts / N_SAMPLES < 0.8
     assert tv < TV_BOUND, f"total variation {tv:.3f} from the target's exact distribution"
 
 
-@pytest.mark.parametrize("shape, seed", [
-    ({"num_speculative_tokens": 2}, 11),
+TREE = "[(0,), (1,), (0, 0), (1, 0)]"
+
+
+@pytest.mark.parametrize("shape, seed, seeded", [
+    ({"num_speculative_tokens": 2}, 11, False),
     # a head whose second-best first token often lies in the target's top 3
-    ({"speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0)]"}, 19)], ids=["chain", "tree"])
+    ({"speculative_token_tree": TREE}, 19, False),
+    ({"speculative_token_tree": TREE}, 19, True)], ids=["chain", "tree", "tree-seeded"])
 def test_eagle3_sampling_matches_exact_distribution(small_vocab_pair, exact_pairs, tmp_path,
-                                                    shape, seed, monkeypatch):
+                                                    shape, seed, seeded, monkeypatch):
     """A head over a reduced draft vocabulary (5 of the 8 ids reachable through d2t), whose
     greedy drafts the strict verifier treats as one-hot; as a chain, and as a tree whose
     second-best branch must also keep the distribution."""
@@ -240,7 +255,7 @@ def test_eagle3_sampling_matches_exact_distribution(small_vocab_pair, exact_pair
     paths, real = [], engine_module.accepted_path
     monkeypatch.setattr(engine_module, "accepted_path", lambda *a: paths.append(real(*a)) or paths[-1])
     # 6 tokens: room for the whole tree after the first (a budget of 2 truncates it to a chain)
-    hist = _token_hist(llm, N_SAMPLES, 200_000, max_tokens=6)
+    hist = _token_hist(llm, N_SAMPLES, 200_000, max_tokens=6, seeded=seeded)
     tv = 0.5 * (hist - exact_pairs).abs().sum().item()
     rate = llm.get_stats()["acceptance_rate"]
     assert 0.05 < rate < 0.95                                 # accepts and rejections both seen
@@ -401,8 +416,7 @@ PENALTIES = [dict(presence_penalty=1.5), dict(frequency_penalty=0.8),
 def test_penalties_and_bias_are_lossless(method, llama_dir, draft_dir):
     """Each verify row is penalized with the counts of the output and the drafts before it:
     greedy outputs equal no-spec's under the same penalties, alone and in one batch, and they
-    differ from the unpenalized output (the penalties act). (Seeded samples are equal in
-    distribution, not token for token: verification draws its randomness otherwise.)"""
+    differ from the unpenalized output (the penalties act); seeded samples: `test_seeded_*`."""
     ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(len(PENALTIES), seed=4)]
     greedy = [_greedy(**kw) for kw in PENALTIES]
     base = LLM(str(llama_dir), device=DEVICE)
@@ -456,3 +470,33 @@ def test_logprobs_are_the_models_under_penalties(llama_dir):
                           use_tqdm=False)[0].outputs[0]
     assert biased.token_ids == [3] != plain.token_ids
     assert biased.logprobs[0][3] < plain.logprobs[0][plain.token_ids[0]]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "hybrid", "tree"])
+def test_seeded_samples_equal_no_spec(method, llama_dir, draft_dir, tmp_path):
+    """A seeded sampled request gives the same tokens with and without speculation (coupled
+    verification: each position's draw is fixed by the seed), under penalties and bias, in a
+    batch and alone, as the n samples of one request, and with K varied per request."""
+    from tests.methods.test_heads import eagle3_ckpt
+    spec = (spec_configs(draft_dir)[method] if method != "tree" else
+            {"model": str(eagle3_ckpt(tmp_path / "e3")),
+             "speculative_token_tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"})
+    ps = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(len(PENALTIES) + 3, seed=8)]
+    params = [_seeded(i, **kw) for i, kw in enumerate(PENALTIES + [{}, {}, {}])]
+    base = LLM(str(llama_dir), device=DEVICE)
+    llm = LLM(str(llama_dir), device=DEVICE, speculative_config=spec)
+    ref = [o.outputs[0].token_ids for o in base.generate(ps, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)] == ref
+    assert llm.generate(ps[1], params[1], use_tqdm=False)[0].outputs[0].token_ids == ref[1]
+    assert llm.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    n3 = SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=20, ignore_eos=True)
+    assert ([c.token_ids for c in llm.generate(ps[2], n3, use_tqdm=False)[0].outputs]
+            == [c.token_ids for c in base.generate(ps[2], n3, use_tqdm=False)[0].outputs])
+    if method != "tree":
+        ks = [_seeded(i, num_speculative_tokens=[0, 1, None][i % 3]) for i in range(len(ps))]
+        ref = [o.outputs[0].token_ids for o in base.generate(
+            ps, [_seeded(i) for i in range(len(ps))], use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in llm.generate(ps, ks, use_tqdm=False)] == ref
+    # the seed decides: another seed gives other tokens
+    other = base.generate(ps[0], _seeded(99), use_tqdm=False)[0].outputs[0].token_ids
+    assert other != base.generate(ps[0], _seeded(0), use_tqdm=False)[0].outputs[0].token_ids

@@ -291,7 +291,8 @@ class LLMEngine:
             vreqs = [VerifyRequest(b.request.spec_token_ids[:b.num_spec_tokens],
                                    b.request.spec_token_probs, b.request.params,
                                    b.request.generator,
-                                   b.request.spec_parents if b.num_spec_tokens else None)
+                                   b.request.spec_parents if b.num_spec_tokens else None,
+                                   len(b.request.output_token_ids))
                      for _, b in sampled]
             raw = self._process_rows(sampled, vreqs, out.logits)
             errors: dict[int, Exception] = {}

@@ -15,16 +15,26 @@ k = 0 drafts gets ordinary sampling from its single row, so one path serves ever
 A draft tree keeps, greedily, the path of nodes that each equal the target's argmax after their
 parent, then emits the argmax after the path's last node; under sampling it tries a node's
 children one after another against the residual distribution (`_verify_random_tree`).
+
+Seeded random requests are verified by coupling instead, so that their output does not depend on
+speculation: the token at output position n is the inverse-CDF draw from the processed target
+row with u_n, a uniform fixed by (seed, n) alone (`coupled_uniform`), and a draft is accepted iff
+it equals that draw - the greedy rule with the draw in place of the argmax. Without drafts this
+is ordinary sampling, so every output token has the target's distribution and the same seed gives
+the same tokens with any drafter, K or tree; a one-hot draft d passes with probability p(d), as
+under the strict test, but drafts' own probabilities are not used.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from specserve.sampling.sampler import greedy_ids, process_logits, sample_from
 from specserve.sampling_params import SamplingParams
+from specserve.token_tree import node_depths
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -38,6 +48,7 @@ class VerifyRequest:
     params: SamplingParams
     generator: torch.Generator
     parents: list[int] | None = None        # a draft tree (one-hot drafts), None = a chain
+    position: int = 0                       # output index of the token row 0 gives (coupling)
 
 
 def verify(logits: torch.Tensor, reqs: list[VerifyRequest], method: str = "strict",
@@ -96,6 +107,10 @@ def _verify_one(i: int, r: VerifyRequest, offset: int, argmax: list[int],
     """Tokens request i emits: argmax holds every row's greedy token, probs_of its processed
     target rows when it samples."""
     k = len(r.draft_token_ids)
+    if r.params.seed is not None and not r.params.is_greedy and method != "synthetic":
+        draws = _coupled_draws(probs_of[i], r)
+        return (_verify_greedy_tree(draws, r) if r.parents is not None
+                else _verify_greedy(draws, r, "strict", None))
     if r.parents is not None:
         assert method != "synthetic", "synthetic acceptance is defined for chains only"
         return (_verify_greedy_tree(argmax[offset:offset + k + 1], r)
@@ -103,6 +118,26 @@ def _verify_one(i: int, r: VerifyRequest, offset: int, argmax: list[int],
     if r.params.is_greedy:
         return _verify_greedy(argmax[offset:offset + k + 1], r, method, rate)
     return _verify_random(probs_of[i], r, method, rate)
+
+
+def coupled_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) fixed by (seed, output position) alone: a hash, not a stream, so
+    that it does not depend on how many draws speculation made before."""
+    key = (seed % 2**64).to_bytes(8, "little") + position.to_bytes(8, "little")
+    h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    return (h >> 11) * 2.0 ** -53
+
+
+def _coupled_draws(p: torch.Tensor, r: VerifyRequest) -> list[int]:
+    """The target's seeded draw of each row of p [k + 1, V]: inverse CDF at the uniform of the
+    row's output position (row i + 1 of a tree sits at the depth of node i)."""
+    depths = node_depths(r.parents) if r.parents is not None else range(1, len(p))
+    pos = [r.position] + [r.position + d for d in depths]
+    u = torch.tensor([coupled_uniform(r.params.seed, n) for n in pos], dtype=torch.float64,
+                     device=p.device)
+    cdf = p.double().cumsum(-1)                                                # [k + 1, V]
+    ids = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)       # [k + 1, 1]
+    return ids.squeeze(-1).clamp_max(p.shape[-1] - 1).tolist()
 
 
 def _uniforms(r: VerifyRequest) -> torch.Tensor:

@@ -324,15 +324,16 @@ class _Server:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.name}
         if not req.stream:
             outs = await self.collect(request, gens)
+            if req.max_tokens == 0:          # echo of the prompt alone: the token made is dropped
+                outs = [_prompt_only(o) for o in outs]
+            counted = responses.usage(outs, per_prompt)
             if ranked:
                 outs = [o for p in range(len(prepared))
                         for o in _best(outs[p * per_prompt:(p + 1) * per_prompt], req.n,
                                        keep_logprobs=req.logprobs is not None)]
-            if req.max_tokens == 0:          # echo of the prompt alone: the token made is dropped
-                outs = [_prompt_only(o) for o in outs]
             choices = self.with_prompt_logprobs(
                 req, [self.completion_choice(i, o, req.echo) for i, o in enumerate(outs)], outs)
-            body = head | {"choices": choices, "usage": responses.usage(outs)}
+            body = head | {"choices": choices, "usage": counted}
             if req.include_spec_metrics:
                 body["spec_metrics"] = [responses.spec_metrics(o) for o in outs]
             return JSONResponse(body)
@@ -340,7 +341,7 @@ class _Server:
         async def chunks():
             trackers = [DeltaTracker(req.stop) for _ in gens]
             echoed: set[int] = set()
-            finals: list[RequestOutput] = []
+            finals: dict[int, RequestOutput] = {}
             async with aclosing(merge(gens)) as outs:
                 async for i, out in outs:
                     if req.max_tokens == 0:      # echo alone: sent once the prompt is scored
@@ -359,12 +360,13 @@ class _Server:
                         "index": i, "text": text, "finish_reason": comp.finish_reason,
                         "logprobs": responses.completion_logprobs(ids, lps, self.decode)}]}
                     if out.finished:
-                        finals.append(out)
+                        finals[i] = out
                         if req.include_spec_metrics:
                             chunk["spec_metrics"] = responses.spec_metrics(out)
                     yield chunk
             if req.stream_options and req.stream_options.include_usage:
-                yield head | {"choices": [], "usage": responses.usage(finals)}
+                yield head | {"choices": [], "usage": responses.usage(
+                    [finals[i] for i in sorted(finals)], per_prompt)}
         return self.stream(chunks())
 
     def with_prompt_logprobs(self, req, choices: list[dict], outs: list[RequestOutput]
@@ -412,7 +414,8 @@ class _Server:
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 for i, c in enumerate(o.outputs[0] for o in outs)], outs)
             body = {"id": rid, "object": "chat.completion", "created": created,
-                    "model": self.name, "choices": choices, "usage": responses.usage(outs)}
+                    "model": self.name, "choices": choices,
+                    "usage": responses.usage(outs, len(outs))}
             if req.include_spec_metrics:
                 body["spec_metrics"] = [responses.spec_metrics(o) for o in outs]
             return JSONResponse(body)
@@ -425,7 +428,7 @@ class _Server:
                                                                  "content": ""},
                                            "logprobs": None, "finish_reason": None}]}
             trackers = [DeltaTracker(req.stop) for _ in gens]
-            finals: list[RequestOutput] = []
+            finals: list[RequestOutput] = []            # one prompt: their order is no matter
             async with aclosing(merge(gens)) as outs:
                 async for i, out in outs:
                     d = trackers[i].next(out)
@@ -442,7 +445,7 @@ class _Server:
                             c["spec_metrics"] = responses.spec_metrics(out)
                     yield c
             if req.stream_options and req.stream_options.include_usage:
-                yield head | {"choices": [], "usage": responses.usage(finals)}
+                yield head | {"choices": [], "usage": responses.usage(finals, len(finals))}
         return self.stream(chunks())
 
     def card(self) -> dict:

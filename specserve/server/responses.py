@@ -42,11 +42,15 @@ def prompt_logprobs(o: RequestOutput, dec: Decode) -> list[dict | None]:
             for lp in o.prompt_logprobs or []]
 
 
-def usage(outs: list[RequestOutput]) -> dict:
-    p = sum(len(o.prompt_token_ids) for o in outs)
+def usage(outs: list[RequestOutput], samples_per_prompt: int = 1) -> dict:
+    """outs: every sample drawn, prompt-major. A prompt's tokens count once however many
+    samples it has (as OpenAI counts n); every sample's tokens count, best_of's dropped ones
+    too, since they were computed."""
+    firsts = outs[::samples_per_prompt]
+    p = sum(len(o.prompt_token_ids) for o in firsts)
     c = sum(len(o.outputs[0].token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)}}
 
 
 def spec_metrics(out: RequestOutput) -> dict | None:

@@ -159,9 +159,11 @@ def test_each_kind_of_constraint_with_sampling(kind, check, specs, text_model_di
     params = [SamplingParams(temperature=0.9, seed=s, max_tokens=40,
                              structured_outputs=StructuredOutputsParams(**kind))
               for s in range(6)]
-    outs = llm.generate(["hello"] * 6, params, use_tqdm=False)
-    assert all(o.outputs[0].finish_reason == "stop" and check(o.outputs[0].text)
-               for o in outs), [o.outputs[0].text for o in outs]
+    outs = [o.outputs[0] for o in llm.generate(["hello"] * 6, params, use_tqdm=False)]
+    # a random model may go on inside an unbounded rule until max_tokens; the others end it
+    done = [o.text for o in outs if o.finish_reason == "stop"]
+    assert len(done) >= 4 and all(check(t) for t in done), [o.text for o in outs]
+    assert all(len(o.token_ids) == 40 for o in outs if o.finish_reason != "stop")
 
 
 def test_any_json_object(specs, text_model_dir):

@@ -157,10 +157,12 @@ def test_head_methods_are_lossless(name, heads, llama_dir):
         "model": str(path), "num_speculative_tokens": 3})
     assert llm.engine.spec.method == method
     alone = [llm.generate(p, GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in ps[:2]]
-    mixed = llm.generate(ps, [GREEDY, SamplingParams(temperature=0.8, seed=1, max_tokens=10)] * 3,
-                         use_tqdm=False)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=10)
+    mixed = llm.generate(ps, [GREEDY, sampled] * 3, use_tqdm=False)
     assert alone == ref[:2]
     assert [o.outputs[0].token_ids for o, i in zip(mixed, range(6)) if i % 2 == 0] == ref[::2]
+    base = LLM(str(llama_dir), device=DEVICE).generate(ps[1::2], sampled, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[1::2]] == [o.outputs[0].token_ids for o in base]
     assert llm.get_stats()["spec_decode_num_draft_tokens"] > 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specserve import LLM
+from specserve import LLM, SamplingParams
 from tests.conftest import DEVICE
 from tests.methods.test_heads import GREEDY, _prompts, mtp_target
 
@@ -18,6 +18,10 @@ def test_mtp_is_lossless_and_loads_from_the_target(tmp_path, llama_dir):
                                                                "num_speculative_tokens": 2})
     got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
     assert got == ref and llm.get_stats()["spec_decode_num_drafts"] > 0
+    sampled = SamplingParams(temperature=0.8, seed=4, max_tokens=16)         # seeded: equal too
+    assert ([o.outputs[0].token_ids for o in llm.generate(ps, sampled, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in LLM(str(target), device=DEVICE).generate(
+                ps, sampled, use_tqdm=False)])
     with pytest.raises(ValueError, match="no MTP layer: num_nextn_predict_layers"):
         LLM(str(llama_dir), device=DEVICE, speculative_config={"method": "mtp",
                                                                 "num_speculative_tokens": 2})
@@ -43,6 +47,10 @@ def test_mtp_with_several_layers_uses_them_in_turn(tmp_path, spec):
         layer.register_forward_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
     got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False)]
     assert got == ref and llm.get_stats()["spec_decode_num_drafts"] > 0
+    sampled = SamplingParams(temperature=0.8, seed=4, max_tokens=16)         # seeded: equal too
+    assert ([o.outputs[0].token_ids for o in llm.generate(ps, sampled, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in LLM(str(target), device=DEVICE).generate(
+                ps, sampled, use_tqdm=False)])
     assert calls[0] > 0 and calls[1] > 0
     eh = [layer.eh_proj for layer in proposer.head.layers]
     # a packed linear has no .weight

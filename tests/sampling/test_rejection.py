@@ -170,3 +170,29 @@ def test_wrong_tree_verifier_fails_the_bound(monkeypatch):
     monkeypatch.setattr(rejection, "_verify_random_tree", residual_kept)
     first = _tree_hists()[0]
     assert 0.5 * (first[0] - first[1]).abs().sum().item() > 0.04
+
+
+def test_coupled_verification_emits_the_seeded_draws_whatever_the_drafts():
+    """A seeded request's tokens are its draws at each output position: drafts only decide how
+    many of them one step emits (all leading matches plus one), in a chain and in a tree."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(1, V, generator=g) * 2).repeat(4, 1)  # the same row after any prefix
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=-5)
+
+    def run(drafts, position, parents=None):
+        rows = logits[:len(drafts) + 1]
+        req = VerifyRequest(drafts, None, params, torch.Generator(), parents, position)
+        return [t for t in verify(rows.clone(), [req])[0].tolist() if t != PLACEHOLDER_TOKEN_ID]
+
+    draws = [run([], n)[0] for n in range(10, 14)]              # no drafts: plain sampling
+    assert run(draws[:3], 10) == draws                          # every draft matches
+    wrong = (draws[1] + 1) % V
+    assert run([draws[0], wrong, draws[2]], 10) == draws[:2]
+    # a tree: node 0 (wrong) and node 1 (right) after the root, node 2 below node 1
+    assert run([wrong if draws[0] != wrong else (wrong + 1) % V, draws[0], draws[1]], 10,
+               [-1, -1, 1]) == draws[:3]
+    # the uniforms are fixed by (seed, position) and spread over [0, 1)
+    u = [rejection.coupled_uniform(7, n) for n in range(4000)]
+    assert u == [rejection.coupled_uniform(7, n) for n in range(4000)]
+    assert u != [rejection.coupled_uniform(8, n) for n in range(4000)]
+    assert torch.histc(torch.tensor(u), 10, 0, 1).min() > 330

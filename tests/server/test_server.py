@@ -352,6 +352,9 @@ def test_n_samples_per_prompt(client):
     again = client.completions.create(model=NAME, prompt=["hello", "world"], max_tokens=8, n=3,
                                       temperature=1.0, seed=5, extra_body={"ignore_eos": True})
     assert [c.text for c in again.choices] == texts
+    ones = [client.completions.create(model=NAME, prompt=p, max_tokens=1).usage.prompt_tokens
+            for p in ("hello", "world")]
+    assert r.usage.prompt_tokens == sum(ones)                  # each prompt counted once
 
 
 def test_chat_n_choices_streamed_and_not(client):
@@ -384,7 +387,10 @@ def test_best_of_returns_the_most_likely_samples(client):
     ranked = sorted(every.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
     best = client.completions.create(**kw, n=2, best_of=4)
     assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
-    assert best.choices[0].logprobs is None and best.usage.completion_tokens == 12
+    # every sample drawn is counted, the prompt once (OpenAI's usage for n and best_of)
+    assert best.choices[0].logprobs is None and best.usage.completion_tokens == 24
+    one = client.completions.create(**kw)
+    assert best.usage.prompt_tokens == every.usage.prompt_tokens == one.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match=r"best_of \(1\) must be at least n"):
         client.completions.create(model=NAME, prompt="x", max_tokens=2, n=2, best_of=1)
     with pytest.raises(openai.BadRequestError, match="best_of > n cannot stream"):
