@@ -165,9 +165,11 @@ def loss_weights(block_size: int) -> torch.Tensor:
 
 def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
              token_counts: np.ndarray | None = None, block_size: int | None = None,
-             num_layers: int | None = None, num_anchors: int = NUM_ANCHORS) -> DFlashDrafter:
+             num_layers: int | None = None, num_anchors: int = NUM_ANCHORS,
+             num_target_layers: int | None = None) -> DFlashDrafter:
     """A fresh drafter of `num_layers` target-wide Qwen3 layers for blocks of `block_size`
-    (default: K + 1, at least DEFAULT_BLOCK_SIZE); its mask token is the lowest id unused in
+    (default: K + 1, at least DEFAULT_BLOCK_SIZE), reading `num_target_layers` target layers
+    (default: as many as its own, z-lab's choice); its mask token is the lowest id unused in
     `token_counts`; `num_anchors`: blocks per training window (`loss`)."""
     a = target.args
     n = num_layers or DEFAULT_NUM_LAYERS
@@ -180,7 +182,8 @@ def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
     mask = first_unused(token_counts)
     args = dataclasses.replace(layer_args(a), architecture="Qwen3ForCausalLM", qk_norm=True,
                                num_hidden_layers=n)
-    return DFlashDrafter(args, default_layer_ids(a.num_hidden_layers, n), a.hidden_size, block,
+    return DFlashDrafter(args, default_layer_ids(a.num_hidden_layers, num_target_layers or n),
+                         a.hidden_size, block,
                          mask, target.embed_tokens, target.lm_head, num_anchors)
 
 

@@ -299,6 +299,8 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
         ids = with_generated(train_ids, gen or GeneratedData(), target_dir, corpus, work,
                              cfg.seed)
     counts = np.bincount(ids, minlength=target.args.vocab_size)
+    if hidden_states is not None and names == ["dflash"]:      # fc reads what the files hold
+        head_options = {"num_target_layers": len(layers), **(head_options or {})}
     heads = nn.ModuleDict({m: build_head(m, target, k, draft_vocab, counts,
                                          **(head_options or {})) for m in names})
     if hidden_states is not None:

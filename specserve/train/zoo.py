@@ -413,6 +413,10 @@ MANIFEST_STAGES = {
     "smollm2-135m-instruct-medusa": "medusa heads for SmolLM2-135M-Instruct (its lm_head "
                                     "shared): specserve train chat-data, then train medusa "
                                     "--hidden-states (benchmarks/README.md)",
+    "smollm2-135m-instruct-dflash": "dflash drafter for SmolLM2-135M-Instruct (one layer, "
+                                    "blocks of 5; its embedding and lm_head shared): specserve "
+                                    "train chat-data, then train dflash --hidden-states "
+                                    "(benchmarks/README.md)",
 }
 
 

@@ -17,10 +17,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48)
 def test_the_eagle3_head_is_lossless_and_accepted(smollm2):
     assert "smollm2-135m-instruct-eagle3" in bundled_drafters("smollm2-135m-instruct")
     conversations = [[{"role": "user", "content": p}] for p in chat_prompts("heldout")[:4]]
-    ref = LLM("smollm2-135m-instruct", dtype="float32").chat(conversations, GREEDY,
-                                                             use_tqdm=False)
-    llm = LLM("smollm2-135m-instruct", dtype="float32", speculative_config={
-        "model": "smollm2-135m-instruct-eagle3", "num_speculative_tokens": 3})
+    kw = {"dtype": "float32", "max_num_seqs": 4, "max_model_len": 1024}
+    ref = LLM("smollm2-135m-instruct", **kw).chat(conversations, GREEDY, use_tqdm=False)
+    llm = LLM("smollm2-135m-instruct", speculative_config={
+        "model": "smollm2-135m-instruct-eagle3", "num_speculative_tokens": 3}, **kw)
     assert llm.engine.spec.method == "eagle3"
     out = llm.chat(conversations, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
@@ -47,10 +47,13 @@ def test_the_mtp_layer_loads_by_name_and_is_lossless(smollm2):
 
 
 # acceptance bounds well above a head that guesses (1.0), below each head's held-out tau
-@pytest.mark.parametrize("method, k, tau", [("eagle", 3, 1.3), ("medusa", 3, 1.08)])
-def test_the_eagle_and_medusa_heads_load_by_name_and_are_lossless(smollm2, method, k, tau):
-    """EAGLE-1 and Medusa heads trained for SmolLM2, sharing its embedding and lm_head (the
-    directories hold the heads alone), lossless beside the GGUF by catalogue name."""
+@pytest.mark.parametrize("method, k, tau", [("eagle", 3, 1.3), ("medusa", 3, 1.08),
+                                            ("dflash", 4, 1.2)])
+def test_the_eagle_medusa_and_dflash_drafters_load_by_name_and_are_lossless(smollm2, method, k,
+                                                                             tau):
+    """EAGLE-1 and Medusa heads and a DFlash drafter trained for SmolLM2, sharing its embedding
+    and lm_head (the directories hold the drafters alone), lossless beside the GGUF by
+    catalogue name."""
     name = f"smollm2-135m-instruct-{method}"
     assert name in bundled_drafters("smollm2-135m-instruct")
     conversations = [[{"role": "user", "content": p}] for p in chat_prompts("heldout")[7:10]]
@@ -101,8 +104,8 @@ def test_sampling_with_the_eagle3_head_keeps_smollm2s_distribution(smollm2):
             ids3, p3 = probs(prompt + [a, b])
             for c, pc in zip(ids3.tolist(), p3.tolist()):
                 exact[(b, c)] = exact.get((b, c), 0.0) + pa * pb * pc
-    params = [SamplingParams(temperature=1.0, top_k=TOP_K, seed=i, max_tokens=3,
-                             ignore_eos=True) for i in range(N_SAMPLES)]
+    params = [SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=3, ignore_eos=True)
+              ] * N_SAMPLES             # unseeded: the rejection sampler (seeded: coupled)
     outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * N_SAMPLES, params,
                         use_tqdm=False)
     seen: dict[tuple[int, int], float] = {}
