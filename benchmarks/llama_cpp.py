@@ -18,7 +18,8 @@ greedy). Not a test; CI does not run it.
      the median over the held-out completion prompts of its "decoded ... t/s";
    - specserve: the median over the same prompts of the time per output token after the first
      (no-spec, draft_model and eagle3; bfloat16 beside BF16, int8 beside Q8_0, the drafter's
-     weights in the same precision as the target's, as llama.cpp's draft GGUF). Each engine
+     weights in the same precision as the target's, as llama.cpp's draft GGUF; with --gguf,
+     the file's own Q4_1 / Q8_0 blocks, its drafters in q8_0). Each engine
      is loaded once and warmed up before the first round.
    Speculation runs at each K of `-k` on both sides: each side's best K counts.
 Writes runs/llama_cpp/llama-cpp-DATE.{json,md}; with --publish, benchmarks/latest/llama-cpp.*
@@ -31,6 +32,7 @@ import argparse
 import datetime
 import functools
 import json
+import math
 import os
 import re
 import statistics
@@ -60,6 +62,12 @@ TOOLS = ("llama-bench", "llama-speculative-simple", "llama-quantize")
 # GGUF of that type)
 PRECISIONS = {"bf16": ({"dtype": "bfloat16"}, {}),
               "q8_0": ({"dtype": "bfloat16", "quantization": "int8"}, {"quantization": "int8"})}
+# a shipped GGUF's types, each beside specserve running that file's own blocks (loaded in
+# float32, multiplied as llama.cpp's blocks); drafters in q8_0 beside 4-bit targets
+GGUF_PRECISIONS = {
+    "q4_1 (as shipped)": ({"dtype": "float32", "quantization": "q4_1"}, {"quantization": "q8_0"}),
+    "q8_0": ({"dtype": "float32", "quantization": "q8_0"}, {"quantization": "q8_0"}),
+    "bf16": PRECISIONS["bf16"]}
 
 
 def run(cmd: list[str], **kw) -> str:
@@ -163,8 +171,9 @@ def llama_speculative(target: Path, draft: Path | None, prompts: list[str], toke
 
 def specserve_engine(target: str, spec: dict | None, precision: dict, prompt: str) -> LLM:
     """An engine for one configuration, warmed up on one prompt."""
+    # one sequence of a short context: the many engines of a run share the machine's memory
     llm = LLM(target, device="cpu", speculative_config=spec, max_num_seqs=1, freeze_gc=True,
-              **precision)
+              max_model_len=2048, **precision)
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     return llm
 
@@ -178,19 +187,32 @@ def specserve_decode(llm: LLM, prompts: list[str], tokens: int) -> float:
                              for o in outs)
 
 
-# a shipped GGUF's types, each beside specserve's precision for that file (it has no 4-bit
-# path: it reads the Q4_1 file into int8)
-GGUF_PRECISIONS = {"q4_1 (as shipped)": PRECISIONS["q8_0"], "q8_0": PRECISIONS["q8_0"],
-                   "bf16": PRECISIONS["bf16"]}
+def bits_per_byte(target: str, precision: dict, texts: list[str]) -> float:
+    """specserve's held-out bits per byte of `texts` (each token after the first scored from
+    the prefill's prompt log-probabilities): what a precision costs in quality."""
+    llm = LLM(target, device="cpu", max_num_seqs=1, max_model_len=1024, **precision)
+    tok = llm.get_tokenizer()
+    nll = nbytes = 0.0
+    for text in texts:
+        out = llm.generate(text, SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           use_tqdm=False)[0]
+        ids = out.prompt_token_ids
+        nll -= sum(lp[t] for t, lp in zip(ids[1:], out.prompt_logprobs[1:]))
+        nbytes += len(text.encode()) - len(tok.decode(ids[:1]).encode())
+    return nll / math.log(2) / nbytes
 
 
-def gguf_runs(a: argparse.Namespace, ks: list[int], streamed: dict[tuple, dict]
-              ) -> dict[tuple, Callable[[], float]]:
+def gguf_runs(a: argparse.Namespace, ks: list[int], streamed: dict[tuple, dict],
+              quality: dict[str, float]) -> dict[tuple, Callable[[], float]]:
     """A shipped GGUF (a catalogue name, e.g. smollm2-135m-instruct) as shipped and rewritten
     as Q8_0 and BF16, each file read by both engines: plain and n-gram lookup on both sides,
     and specserve's drafters bundled for it. `streamed` gets each (model, precision)'s bytes
-    read per token on each side (the file's tensors; specserve's weights as it holds them)."""
+    read per token on each side (the file's tensors; specserve's weights as it holds them);
+    `quality` each precision's held-out bits per byte in specserve (float32: the shipped
+    blocks' values, unquantized inputs)."""
     shipped = Path(resolve_model(a.gguf))
+    texts = PROMPT_SETS["chat"](8) + PROMPT_SETS["code"](8)
+    quality["float32 (the shipped weights)"] = bits_per_byte(str(shipped), {}, texts)
     tok = load_tokenizer(str(shipped))
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}])
                for p in PROMPT_SETS["chat"](a.num_prompts)]
@@ -199,6 +221,7 @@ def gguf_runs(a: argparse.Namespace, ks: list[int], streamed: dict[tuple, dict]
     runs: dict[tuple, Callable[[], float]] = {}
     for label, (precision, drafter) in GGUF_PRECISIONS.items():
         path = shipped if label.endswith("(as shipped)") else requantize(shipped, label)
+        quality[label] = bits_per_byte(str(path), precision, texts)
         runs[(name, label, "no speculation", "llama.cpp")] = functools.partial(
             llama_plain, path, a.tokens, a.threads)
         specs: dict[str, dict | None] = {"no speculation": None}
@@ -257,6 +280,12 @@ def markdown(data: dict) -> str:
         lines += [f"| {k} | {v['llama.cpp']:.1f} | {v['specserve']:.1f} |"
                   for k, v in data["floor_tokens_per_s"].items()]
         lines.append("")
+    if data.get("bits_per_byte"):
+        lines += ["specserve's bits per byte on 16 held-out chat and code prompts, by "
+                  "precision (each file's weights as that precision holds them):", "",
+                  "| precision | bits/byte |", "|---|---:|"]
+        lines += [f"| {k} | {v:.4f} |" for k, v in data["bits_per_byte"].items()]
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -289,8 +318,9 @@ def main() -> None:
     bundled = f"bundled pair ({a.target}, {a.draft})"
     streamed: dict[tuple, dict] = {}
     bw = memory_bandwidth_gbs()
+    quality: dict[str, float] = {}
     if a.gguf:
-        runs.update(gguf_runs(a, ks, streamed))
+        runs.update(gguf_runs(a, ks, streamed, quality))
     for outtype, (precision, drafter) in ({} if a.gguf else PRECISIONS).items():
         t, d = gguf(src, a.target, outtype), gguf(src, a.draft, outtype)
         specs = {"no speculation": None}
@@ -336,7 +366,8 @@ def main() -> None:
             "rounds": a.rounds,
             "tokens": a.tokens, "num_prompts": a.num_prompts,
             "prompts": "chat (through the chat template)" if a.gguf else "completion",
-            "bandwidth_gbs": bw, "floor_tokens_per_s": floors, "models": models}
+            "bandwidth_gbs": bw, "floor_tokens_per_s": floors, "models": models,
+            "bits_per_byte": quality}
     stem = f"llama-cpp-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     out = REPO / "runs" / "llama_cpp"
     out.mkdir(parents=True, exist_ok=True)

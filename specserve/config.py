@@ -36,7 +36,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "q8_0", "q4_1", "q4_0")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -61,8 +61,11 @@ class ModelConfig:
                 "with the C compiler on first use; the PyTorch path runs where it cannot be)"})
     quantization: str | None = field(default=None, metadata={
         "help": "int8: quantize the weights at load (symmetric, one scale per output column) "
-                "and multiply them in the CPU kernel, widened in registers: a quarter of "
-                "float32's bytes per step, half of bfloat16's"})
+                "and multiply them in the CPU kernel: a quarter of float32's bytes per step, "
+                "half of bfloat16's; q8_0, q4_1, q4_0: llama.cpp's blocks of 32 (the vocabulary "
+                "projection in q8_0 with the 4-bit ones, as llama.cpp's files keep it), "
+                "multiplied as they are: a GGUF of those types loaded in float32 runs its own "
+                "blocks byte for byte"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "the target's KV cache: auto, in the model's dtype (bfloat16 for dtype="
                 "bfloat16, also where the CPU kernel computes it in float32: half the memory "
@@ -185,7 +188,8 @@ class SpeculativeConfig:
                 "advice) or the target's tensor_parallel_size (a draft model, or an eagle, "
                 "eagle3 or mtp head's decoder layers, sharded like the target)"})
     quantization: str | None = field(default=None, metadata={
-        "help": "int8: the drafter's weights quantized at load, as the target's `quantization` "
+        "help": "int8, q8_0, q4_1, q4_0: the drafter's weights quantized at load, as the "
+                "target's `quantization` "
                 "(default: unquantized, whatever the target's)"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "the drafter's context: past it a request decodes on without drafts; at most "

@@ -8,7 +8,18 @@ other than the first-child chain is moved into place (`move`).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that take memory only where written, on the CPU: NumPy's zeroed allocation maps
+    pages the system zeroes on first touch, where torch.zeros writes every byte up front (a
+    context of 8192 positions for 16 sequences of a 30-layer model held 6 GB from the start)."""
+    if torch.device(device).type != "cpu" or dtype.itemsize not in (2, 4):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(shape, dtype=np.uint16 if dtype.itemsize == 2
+                                     else np.uint32)).view(dtype)
 
 
 class KVCache:
@@ -20,8 +31,8 @@ class KVCache:
         self.scratch = num_slots if scratch_slot else None
         shape = (num_slots + scratch_slot, num_kv_heads, max_len, head_dim)
         # per layer: (keys, values), each [num_slots (+ scratch), num_kv_heads, max_len, head_dim]
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+        self.layers = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+                       for _ in range(num_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
         self._free = list(range(num_slots - 1, -1, -1))

@@ -156,7 +156,8 @@ def main(argv: list[str]) -> None:
                 runners += [Runner(f"specserve {m} ({_k_label(spec)}){tag}", model, spec,
                                             d, device=dev) for m, (model, spec) in specs.items()]
             if not a.no_transformers and batch == 1:
-                dtype_hf = "bfloat16" if dtype == "int8" else dtype     # no int8 there
+                # no quantized weights there
+                dtype_hf = dtype if dtype in ("float32", "bfloat16") else "bfloat16"
                 runners += [TransformersRunner("transformers generate()", a.target, None, None,
                                                dtype_hf, dev),
                             TransformersRunner("transformers assisted (draft, K dynamic)",

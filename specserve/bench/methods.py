@@ -69,7 +69,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu, cuda or cuda:N: where specserve (and transformers) run")
     p.add_argument("--dtype", default="float32",
-                   help="float32 or bfloat16; bench latency takes a comma-separated list and "
+                   help="float32, bfloat16, int8 (bfloat16 weights quantized at load) or a "
+                        "llama.cpp block type (q8_0, q4_1, q4_0: loaded in float32, so that "
+                        "a GGUF of that type keeps its blocks); bench latency takes a "
+                        "comma-separated list and "
                         "runs no-spec and every method in each (speedups against the first "
                         "dtype's no-spec, greedy output compared within a dtype)")
 

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from specserve.bench.probes import resident_bytes
+from specserve.config import QUANTIZATIONS
 from specserve.llm import LLM
 from specserve.models.backend import release_freed_memory
 from specserve.sampling_params import SamplingParams
@@ -42,6 +43,17 @@ class Result:
         return asdict(self) | {"median_tokens_per_s": self.median, "median_tpot_ms": self.tpot}
 
 
+def precision_args(dtype: str) -> dict:
+    """The LLM arguments of a bench precision: a dtype, or "int8" (the checkpoint's bfloat16
+    weights quantized at load), or a llama.cpp block type (loaded in float32, so that a GGUF
+    of that type keeps its own blocks)."""
+    if dtype == "int8":
+        return {"dtype": "bfloat16", "quantization": "int8"}
+    if dtype in QUANTIZATIONS:
+        return {"dtype": "float32", "quantization": dtype}
+    return {"dtype": dtype}
+
+
 class SpecserveRunner:
     def __init__(self, name: str, target: str, spec: dict | None, dtype: str,
                  cpu_kernel: bool = True, device: str = "cpu", enforce_eager: bool = False,
@@ -50,13 +62,11 @@ class SpecserveRunner:
         gc.collect()
         release_freed_memory()          # what earlier engines freed must not count against it
         before = resident_bytes()
-        # "int8": the checkpoint's bfloat16 weights quantized at load (quantization="int8")
         self.llm = LLM(target, speculative_config=spec, device=device, freeze_gc=True,
                        max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
                        cpu_kernel=cpu_kernel,
                        enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                       **({"dtype": "bfloat16", "quantization": "int8"} if dtype == "int8"
-                          else {"dtype": dtype}))
+                       **precision_args(dtype))
         after = resident_bytes()
         # this process's share (tensor-parallel workers hold their shards in their own)
         self.resident_mb = None if before is None else (after - before) / 1e6

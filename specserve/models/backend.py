@@ -83,8 +83,10 @@ class Backend:
         linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
         lib = next((m.lib for m in linears if m.lib is not None), None)
         if lib is not None:
-            int8 = any(m.kernel_weight.dtype == torch.int8 for m in linears)
-            return (f"cpu kernel ({cpu_features(lib)}{', int8 weights' if int8 else ''}, "
+            kinds = {m.kernel_weight.dtype for m in linears}
+            quant = (", int8 weights" if torch.int8 in kinds else
+                     ", llama.cpp block weights" if torch.uint8 in kinds else "")
+            return (f"cpu kernel ({cpu_features(lib)}{quant}, "
                     f"steps up to {max_rows(lib)} rows)")
         return "pytorch cpu (oneDNN linears)" if linears else "pytorch cpu"
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from specserve.config import check_quantization
 from specserve.kernels.cpu import (
+    BLOCK_TYPES,
     CpuLayer,
     HeadChain,
     LlamaChain,
@@ -62,9 +63,10 @@ class DecodeLinear(nn.Module):
             # A plain attribute, so that module.to() and .float() (a head's prepare, which may
             # hold the target's lm_head) never convert it out of the kernel's layout.
             self.weight = None
-            self.kernel_weight = pack_weight(linear.weight, lib.specserve_block(),
-                                             pairs=bf16_inputs, int8=quantization == "int8",
-                                             absmax=getattr(linear, "row_absmax", None))
+            self.kernel_weight = pack_weight(
+                linear.weight, lib.specserve_block(), pairs=bf16_inputs,
+                int8=quantization == "int8", absmax=getattr(linear, "row_absmax", None),
+                blocks=quantization if quantization in BLOCK_TYPES else None)
             return
         self.weight = linear.weight                  # same Parameter: ties stay tied
         self.kernel_weight = None
@@ -103,7 +105,9 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
     attention, the KV cache and the sums stay float32. A LlamaForCausalLM becomes a KernelLlama
     that runs its whole cached step in one call (`cpu_forward`).
     `quantization="int8"` (kernel only) packs every linear's weight as int8 with one scale per
-    output column."""
+    output column; "q8_0", "q4_1", "q4_0" in llama.cpp's blocks, an lm_head in q8_0 with the
+    4-bit ones (a GGUF's vocabulary projection is kept at 8 bits or more: it decides every
+    token, and its one matrix is a fifth of a small model's bytes)."""
     w = model_tensor(model)
     check_quantization(quantization)
     if w.device.type != "cpu":
@@ -125,7 +129,9 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
             if isinstance(child, nn.Linear):
                 # packed one at a time, from the weights as loaded: no float32 copy of the
                 # whole model is ever held beside the packed one
-                setattr(module, name, DecodeLinear(child, lib, bf16_inputs, quantization))
+                q = ("q8_0" if name == "lm_head" and quantization in ("q4_0", "q4_1")
+                     else quantization)
+                setattr(module, name, DecodeLinear(child, lib, bf16_inputs, q))
     if lib is not None:
         model.float()          # what the kernel reads besides the packed weights is float32
         for module in model.modules():

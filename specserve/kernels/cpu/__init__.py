@@ -1,6 +1,7 @@
 """The compiled CPU kernel (kernel.c) and its ctypes binding; see README.md here."""
 
 from specserve.kernels.cpu.binding import (
+                                           BLOCK_TYPES,
                                            CpuLayer,
                                            HeadChain,
                                            KVWriter,
@@ -15,15 +16,16 @@ from specserve.kernels.cpu.binding import (
                                            load_library,
                                            max_rows,
                                            pack_weight,
+                                           quantize_blocks,
                                            quantize_int8,
                                            rms_norm_rows,
                                            shm_numel,
                                            weight_mode,
 )
 
-__all__ = ["CpuLayer", "HeadChain", "KVWriter", "LlamaChain", "LlamaForward",
+__all__ = ["BLOCK_TYPES", "CpuLayer", "HeadChain", "KVWriter", "LlamaChain", "LlamaForward",
            "SharedMemoryAllReduce", "SharedMemoryChannel", "cpu_features",
            "cpu_flags", "kernel_step",
            "linear_rows", "load_library", "max_rows", "pack_weight",
-           "quantize_int8", "rms_norm_rows", "shm_numel",
+           "quantize_blocks", "quantize_int8", "rms_norm_rows", "shm_numel",
            "weight_mode"]

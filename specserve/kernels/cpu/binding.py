@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("kernel.c")
@@ -196,8 +197,38 @@ def quantize_int8(weight: torch.Tensor, absmax: torch.Tensor | None = None
     return q.to(torch.int8), scale
 
 
+# llama.cpp's block types the kernel multiplies as they are (Q4: 4-bit values, Q8: 8-bit)
+BLOCK_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0"}
+
+
+def quantize_blocks(weight: torch.Tensor, kind: str
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """weight [out, in] -> llama.cpp's `kind` blocks of QB inputs, quantized by the gguf
+    package (llama.cpp's reference rounding: a GGUF's blocks come back byte for byte from
+    their dequantized values), split into values [out, nblk, 16 or 32] uint8 (Q4: a block's
+    16 bytes as the file has them; Q8: the int8 values + 128) and the float16 d and m
+    [out, nblk] of weight = d u + m."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    w = weight.detach().float()
+    if w.shape[1] % QB:
+        w = torch.cat([w, w.new_zeros(len(w), -w.shape[1] % QB)], 1)
+    raw = quantize(w.numpy(), GGMLQuantizationType[BLOCK_TYPES[kind]])
+    raw = raw.reshape(len(w), w.shape[1] // QB, -1)                    # [out, nblk, bytes]
+    d = raw[..., :2].copy().view(np.float16)[..., 0]
+    if kind == "q4_1":
+        m, values = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 4:]
+    elif kind == "q4_0":
+        m, values = -8 * d, raw[..., 2:]                          # exact: a power of two
+    else:
+        m, values = np.zeros_like(d), (raw[..., 2:].view(np.int8).astype(np.int16)
+                                       + 128).astype(np.uint8)
+    return values, d, m
+
+
 def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
-                int8: bool = False, absmax: torch.Tensor | None = None) -> torch.Tensor:
+                int8: bool = False, absmax: torch.Tensor | None = None,
+                blocks: str | None = None) -> torch.Tensor:
     """weight [out, in] (float32 or bfloat16) -> the kernel's layout
     [ceil(out / (GROUP block)), in, GROUP, block]: groups of GROUP blocks of `block` output
     columns (the kernel's vector width, `lib.specserve_block()`), input by input, so that the
@@ -213,11 +244,24 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
     bytes, what the dot product instruction takes; the inputs padded with zeros to a multiple
     of QB), each group [in_q / 4, GROUP, block, 4] (four consecutive inputs of a column side
     by side) followed by its GROUP block float32 scales, as int8 [groups, (in_q + 4) GROUP
-    block] (`absmax`: see `quantize_int8`). `weight_mode` tells the four apart."""
+    block] (`absmax`: see `quantize_int8`). `blocks` ("q4_0", "q4_1", "q8_0"):
+    `quantize_blocks`'s, each group block by block as [units, GROUP block, 4] value bytes (a
+    unit: four bytes of each column; Q4's hold inputs 4p.. in their low nibbles and 16 + 4p..
+    in their high ones), then the GROUP block d and m in float16, as uint8 [groups, nblk,
+    20 (Q4) or 36 (Q8), GROUP block]. `weight_mode` tells the six apart."""
     out, inp = weight.shape
     w = weight.detach()
     if out % (GROUP * block):
         w = torch.cat([w, w.new_zeros(-out % (GROUP * block), inp)])
+    if blocks is not None:
+        values, d, m = quantize_blocks(w, blocks)
+        cols, nblk = GROUP * block, d.shape[1]
+        units = values.shape[2] // 4
+        v = values.reshape(-1, cols, nblk, units, 4).transpose(0, 2, 3, 1, 4)
+        scales = [a.reshape(-1, cols, nblk).transpose(0, 2, 1).copy().view(np.uint8)
+                  for a in (d, m)]                                   # [groups, nblk, 2 cols]
+        packed = np.concatenate([v.reshape(len(v), nblk, -1)] + scales, 2)
+        return torch.from_numpy(packed.reshape(len(v), nblk, units * 4 + 4, cols))
     if int8:
         if absmax is not None:
             absmax = torch.cat([absmax, absmax.new_zeros(len(w) - len(absmax))])
@@ -239,9 +283,11 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
 
 def weight_mode(packed: torch.Tensor) -> int:
     """The C code's mode of a `pack_weight` result: 0 float32, 1 bfloat16 (float32 products),
-    2 bfloat16 pairs (bfloat16 inputs), 3 int8 with column scales."""
+    2 bfloat16 pairs (bfloat16 inputs), 3 int8 with column scales, 4 Q4 blocks, 5 Q8 blocks."""
     if packed.dtype == torch.int8:
         return 3
+    if packed.dtype == torch.uint8:
+        return 4 if packed.shape[2] == QB // 2 + 4 else 5
     return 2 if packed.dim() == 5 else int(packed.dtype == torch.bfloat16)
 
 

@@ -160,8 +160,11 @@ static float dot(const float *a, const float *b, int64_t n) {
  * blocks in order, and that by the column's scale at the end. A quarter of F32's bytes stream;
  * widening every weight to float32 instead cost enough instructions per byte that a one-row
  * step fell well short of the memory bandwidth, and ran 1.6x slower whenever the VM's other
- * load took a share of the core. */
-enum { F32, BF16, PAIRS, I8 };
+ * load took a share of the core.
+ * Q4, Q8: llama.cpp's Q4_0 / Q4_1 and Q8_0 blocks (quantization="q4_0", "q4_1", "q8_0"):
+ * per QB inputs of a column a float16 scale and offset, the inputs quantized as for I8;
+ * the bytes of a GGUF's blocks (see tile_q). */
+enum { F32, BF16, PAIRS, I8, Q4, Q8 };
 #define GROUP 4                 /* blocks a packed weight keeps input by input together */
 #define QB 32                   /* I8: inputs per activation scale */
 /* How far ahead a tile asks for its weights: the hardware prefetcher alone left the weight
@@ -421,15 +424,156 @@ static inline __attribute__((always_inline)) void tile_i8(const uint8_t *wp, con
             storev(y + (t * GROUP + b) * VL, acc[t][b] * loadv(scale + b * VL));
 }
 
+/* VL float16 values widened to float32 */
+static inline vf widen_f16(const uint16_t *p) {
+#if VL == 16
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const void *)p));
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const void *)p));
+#else
+    vf v;
+    for (int i = 0; i < VL; i++) {
+        const uint32_t h = p[i], e = (h >> 10) & 31, f = h & 1023;
+        const float m = e ? ldexpf((float)(f | 1024), (int)e - 25) : ldexpf((float)f, -24);
+        v[i] = (h >> 15 ? -1.f : 1.f) * (e == 31 ? (f ? NAN : INFINITY) : m);
+    }
+    return v;
+#endif
+}
+
+/* A Q4 / Q8 tile of tb <= ROWS rows of q from row t0: llama.cpp's blocks, a weight being
+ * d u + m for its unsigned value u and its column's float16 d and m in its block of QB inputs
+ * (Q4_0: m = -8 d; Q4_1: its own m; Q8_0: u = the int8 value + 128, m = 0). Per group and
+ * block: the values as [units][GROUP][VL][4] bytes, then GROUP VL d, then GROUP VL m. Q4:
+ * unit p (0..3) holds bytes 4p..4p+3 of each column's 16 as a file's block has them, the low
+ * nibbles inputs 4p..4p+3, the high ones inputs 16 + 4p..16 + 4p + 3; Q8: unit p holds inputs
+ * 4p..4p+3. A block's integer sum of u times the rows' int8 inputs is exact, and
+ * sum_i w_i x_i = dx (d isum + m sum_i xq_i) is taken in float32 block by block, in order:
+ * the same operations for every row count. Blocks are small, so the rows pass CHUNK at a
+ * time per block, as in tile_i8. */
+static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int bits,
+                                                        const QRows *q, int64_t t0, int tb,
+                                                        float *y) {
+    const int64_t W = GROUP * VL, vbytes = QB * W * bits / 8;
+    vf acc[ROWS][GROUP];
+    for (int t = 0; t < tb; t++)
+        for (int b = 0; b < GROUP; b++) acc[t][b] = (vf){0};
+    for (int64_t j = 0; j < q->nblk; j++) {
+        const uint8_t *wj = wp + j * (vbytes + 4 * W);
+        const uint16_t *dh = (const uint16_t *)(wj + vbytes), *mh = dh + W;
+        vf d[GROUP], m[GROUP];
+        for (int b = 0; b < GROUP; b++) {
+            d[b] = widen_f16(dh + b * VL);
+            m[b] = widen_f16(mh + b * VL);
+        }
+        for (int c = 0; c < tb; c += CHUNK) {
+            const int n = tb - c < CHUNK ? tb - c : CHUNK;
+            vi isum[CHUNK][GROUP];
+            for (int t = 0; t < n; t++)
+                for (int b = 0; b < GROUP; b++) isum[t][b] = (vi){0};
+            for (int u = 0; u < QB * bits / 32; u++) {
+                const uint8_t *wu = wj + u * W * 4;
+                const int8_t *xu = q->x + (t0 + c) * q->in_q + j * QB + u * 4;
+                if (c == 0) prefetch_ahead(wu, W * 4);
+#if defined(__AVX512VNNI__) && VL == 16
+                __m512i w[GROUP], hi[GROUP];
+                for (int b = 0; b < GROUP; b++) {
+                    w[b] = _mm512_loadu_si512((const void *)(wu + b * VL * 4));
+                    if (bits == 4) {
+                        const __m512i low4 = _mm512_set1_epi8(0x0f);
+                        hi[b] = _mm512_and_si512(_mm512_srli_epi16(w[b], 4), low4);
+                        w[b] = _mm512_and_si512(w[b], low4);
+                    }
+                }
+                for (int t = 0; t < n; t++) {
+                    int32_t x4;
+                    memcpy(&x4, xu + t * q->in_q, 4);
+                    const __m512i xb = _mm512_set1_epi32(x4);
+                    for (int b = 0; b < GROUP; b++)
+                        isum[t][b] = (vi)_mm512_dpbusd_epi32((__m512i)isum[t][b], w[b], xb);
+                    if (bits == 4) {
+                        memcpy(&x4, xu + t * q->in_q + 16, 4);
+                        const __m512i xh = _mm512_set1_epi32(x4);
+                        for (int b = 0; b < GROUP; b++)
+                            isum[t][b] = (vi)_mm512_dpbusd_epi32((__m512i)isum[t][b], hi[b], xh);
+                    }
+                }
+#elif I8_AVX2
+                /* nibbles (at most 15) times int8 sum in 16-bit pairs without saturating;
+                 * Q8's bytes take tile_i8's sign trick, so its sums carry no offset */
+                const __m256i one = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+                __m256i w[GROUP], hi[GROUP];
+                for (int b = 0; b < GROUP; b++) {
+                    w[b] = _mm256_loadu_si256((const void *)(wu + b * VL * 4));
+                    if (bits == 4) {
+                        hi[b] = _mm256_and_si256(_mm256_srli_epi16(w[b], 4), low4);
+                        w[b] = _mm256_and_si256(w[b], low4);
+                    } else {
+                        w[b] = _mm256_xor_si256(w[b], _mm256_set1_epi8((char)0x80));
+                    }
+                }
+                for (int t = 0; t < n; t++) {
+                    int32_t x4;
+                    memcpy(&x4, xu + t * q->in_q, 4);
+                    const __m256i xb = _mm256_set1_epi32(x4);
+                    if (bits == 4) {
+                        memcpy(&x4, xu + t * q->in_q + 16, 4);
+                        const __m256i xh = _mm256_set1_epi32(x4);
+                        for (int b = 0; b < GROUP; b++)
+                            isum[t][b] += (vi)_mm256_madd_epi16(
+                                _mm256_add_epi16(_mm256_maddubs_epi16(w[b], xb),
+                                                 _mm256_maddubs_epi16(hi[b], xh)), one);
+                    } else {
+                        const __m256i ax = _mm256_abs_epi8(xb);
+                        for (int b = 0; b < GROUP; b++)
+                            isum[t][b] += (vi)_mm256_madd_epi16(
+                                _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[b], xb)), one);
+                    }
+                }
+#else
+                for (int b = 0; b < GROUP; b++) {
+                    vi w;
+                    memcpy(&w, wu + b * VL * 4, sizeof w);
+                    for (int t = 0; t < n; t++)
+                        for (int k = 0; k < 4; k++) {
+                            const int8_t *xk = xu + t * q->in_q + k;
+                            if (bits == 4)
+                                isum[t][b] += ((w >> (8 * k)) & 0xf) * (int32_t)xk[0]
+                                              + ((w >> (8 * k + 4)) & 0xf) * (int32_t)xk[16];
+                            else
+                                isum[t][b] += ((w >> (8 * k)) & 0xff) * (int32_t)xk[0];
+                        }
+                }
+#endif
+            }
+            for (int t = 0; t < n; t++) {
+                const int64_t r = (t0 + c + t) * q->nblk + j;
+                const float dx = q->scale[r], sx = (float)q->sum[r] * dx;
+                const int32_t off = bits == 8 ? I8_OFFSET * q->sum[r] : 0;
+                for (int b = 0; b < GROUP; b++)
+                    acc[c + t][b] += __builtin_convertvector(isum[t][b] - off, vf) * (d[b] * dx)
+                                     + m[b] * sx;
+            }
+        }
+    }
+    for (int t = 0; t < tb; t++)
+        for (int b = 0; b < GROUP; b++) storev(y + (t * GROUP + b) * VL, acc[t][b]);
+}
+
 _Static_assert(ROWS == 2 || ROWS == 5 || ROWS == 6, "the tile switches list cases 1..ROWS");
 #define TILE_I8(TB) case TB: tile_i8(wt, &q, t0, TB, buf); break;
+#define TILE_Q(TB, BITS) case TB: tile_q(wt, BITS, &q, t0, TB, buf); break;
 #if ROWS == 6
 #define MORE_TILES_I8 TILE_I8(3) TILE_I8(4) TILE_I8(5) TILE_I8(6)
+#define MORE_TILES_Q(BITS) TILE_Q(3, BITS) TILE_Q(4, BITS) TILE_Q(5, BITS) TILE_Q(6, BITS)
 #elif ROWS == 5
 #define MORE_TILES_I8 TILE_I8(3) TILE_I8(4) TILE_I8(5)
+#define MORE_TILES_Q(BITS) TILE_Q(3, BITS) TILE_Q(4, BITS) TILE_Q(5, BITS)
 #else
 #define MORE_TILES_I8
+#define MORE_TILES_Q(BITS)
 #endif
+#define TILES_Q(BITS) switch (n) { TILE_Q(1, BITS) TILE_Q(2, BITS) MORE_TILES_Q(BITS) }
 
 /* bfloat16 bits of f, rounded to nearest even */
 static inline uint32_t bf16_bits(float f) {
@@ -593,7 +737,7 @@ int specserve_amx(void) {
 }
 
 /* y[t, o] (+)= bias[o] + sum_i W[o, i] x[t, i] for t < T, o < out, with W packed in `mode`
- * (F32, BF16, PAIRS, I8); y has row stride ldy. Threads split the tiles of GROUP blocks; a tile
+ * (F32, BF16, PAIRS, I8, Q4, Q8); y has row stride ldy. Threads split the tiles of GROUP blocks; a tile
  * runs its rows ROWS at a time (as evenly as that allows), so its weights come from memory
  * once and from cache for the other passes. Returns 0, or -1 when out of memory. */
 int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const float *bias,
@@ -603,7 +747,10 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
      * a pair of bfloat16 values per column */
     const int64_t in_x = mode == PAIRS ? (in + 1) / 2 : in;
     /* bytes of a packed group of GROUP VL columns */
-    const int64_t group_bytes = mode == I8 ? ((in + QB - 1) / QB * QB + 4) * GROUP * VL
+    const int64_t nblk = (in + QB - 1) / QB;
+    const int64_t group_bytes = mode == I8 ? (nblk * QB + 4) * GROUP * VL
+                                : mode == Q4 ? nblk * (QB / 2 + 4) * GROUP * VL
+                                : mode == Q8 ? nblk * (QB + 4) * GROUP * VL
                                 : (mode == F32 ? in : (in + 1) / 2) * GROUP * VL * 4;
     if (T == 0) return 0;
     const void *xs = x;
@@ -611,7 +758,7 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
     /* bytes of an input row as the tiles take it */
     const int64_t row_bytes = mode == PAIRS && PAIRS_FLOATS ? in_x * 8 : in_x * 4;
     QRows q = {0};
-    if (mode == I8 && quantize_rows(x, T, in, &q, nthreads)) {
+    if ((mode == I8 || mode == Q4 || mode == Q8) && quantize_rows(x, T, in, &q, nthreads)) {
         free_qrows(&q);
         return -1;
     }
@@ -643,6 +790,10 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
                 TILES(BF16)
             } else if (mode == I8) {
                 switch (n) { TILE_I8(1) TILE_I8(2) MORE_TILES_I8 }
+            } else if (mode == Q4) {
+                TILES_Q(4)
+            } else if (mode == Q8) {
+                TILES_Q(8)
             } else {
                 TILES(F32)
             }
@@ -871,7 +1022,7 @@ typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t attn_in;        /* width of the attention input (EAGLE-3: 2 * hidden) */
     int64_t max_len;        /* KV positions per slot */
-    int64_t mode;           /* how the four weight matrices are packed: F32, BF16, PAIRS, I8 */
+    int64_t mode;           /* how the four weight matrices are packed: F32 .. Q8 */
     int64_t rot_stride;     /* floats from one row's cos (or sin) to the next row's */
     int64_t kv_bf16;        /* 1: the KV cache holds bfloat16 (rounded to nearest even) */
     float eps, scale;
