@@ -178,9 +178,12 @@ def specserve_engine(target: str, spec: dict | None, precision: dict, prompt: st
     return llm
 
 
-def specserve_decode(llm: LLM, prompts: list[str], tokens: int) -> float:
-    """tokens/s after the first token, median over prompts."""
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+def specserve_decode(llm: LLM, prompts: list[str], tokens: int, ignore_eos: bool = True
+                     ) -> float:
+    """tokens/s after the first token, median over prompts. Speculative runs stop at EOS as
+    llama-speculative-simple does (text past an answer's end tends to loop, which drafting by
+    lookup would speed up); plain runs make all `tokens`, as llama-bench does."""
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=ignore_eos)
     outs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
     return statistics.median((len(o.outputs[0].token_ids) - 1)
                              / (o.metrics["finish_time"] - o.metrics["first_token_time"])
@@ -236,7 +239,7 @@ def gguf_runs(a: argparse.Namespace, ks: list[int], streamed: dict[tuple, dict],
         for config, spec in specs.items():
             llm = specserve_engine(str(path), spec, precision, prompts[0])
             runs[(name, label, config, "specserve")] = functools.partial(
-                specserve_decode, llm, prompts, a.tokens)
+                specserve_decode, llm, prompts, a.tokens, spec is None)
             if spec is None:
                 streamed[(name, label)] = {
                     "llama.cpp": path.stat().st_size,
@@ -337,7 +340,7 @@ def main() -> None:
         for config, spec in specs.items():
             llm = specserve_engine(a.target, spec, precision, prompts[0])
             runs[(bundled, outtype, config, "specserve")] = functools.partial(
-                specserve_decode, llm, prompts, a.tokens)
+                specserve_decode, llm, prompts, a.tokens, spec is None)
     if a.random and not a.gguf:
         target = resolve("random:" + a.random, a.target)
         name = f"random:{a.random} (memory-bound)"

@@ -14,8 +14,8 @@ import torch
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros that take memory only where written, on the CPU: NumPy's zeroed allocation maps
-    pages the system zeroes on first touch, where torch.zeros writes every byte up front (a
-    context of 8192 positions for 16 sequences of a 30-layer model held 6 GB from the start)."""
+    pages the system zeroes on first touch, where torch.zeros writes every byte up front, so
+    that a long context for many sequences held all of its memory from the start."""
     if torch.device(device).type != "cpu" or dtype.itemsize not in (2, 4):
         return torch.zeros(shape, dtype=dtype, device=device)
     return torch.from_numpy(np.zeros(shape, dtype=np.uint16 if dtype.itemsize == 2
