@@ -22,14 +22,13 @@ from tests.models.test_quantization import GREEDY, _kernel_built, _prompts  # no
 def _dequantized(w: torch.Tensor, kind: str) -> torch.Tensor:
     """The weights the blocks hold, [out, in padded to QB], by llama.cpp's own rule (gguf)."""
     values, d, m = quantize_blocks(w, kind)
+    parts = [d.view(np.uint8).reshape(*d.shape, 2)]                  # a file's block layout
+    if kind == "q4_1":
+        parts.append(m.view(np.uint8).reshape(*m.shape, 2))
+    parts.append(values if kind != "q8_0" else (values.astype(np.int16) - 128).astype(np.uint8))
+    raw = np.concatenate(parts, -1).reshape(len(w), -1)
     qtype = GGMLQuantizationType[BLOCK_TYPES[kind]]
-    raw = {"q4_0": lambda: np.concatenate([d.view(np.uint8).reshape(*d.shape, 2), values], -1),
-           "q4_1": lambda: np.concatenate([d.view(np.uint8).reshape(*d.shape, 2),
-                                           m.view(np.uint8).reshape(*m.shape, 2), values], -1),
-           "q8_0": lambda: np.concatenate([d.view(np.uint8).reshape(*d.shape, 2),
-                                           (values.astype(np.int16) - 128).astype(np.int8)
-                                           .view(np.uint8)], -1)}[kind]()
-    return torch.from_numpy(dequantize(raw.reshape(len(w), -1), qtype)).view(len(w), -1)
+    return torch.from_numpy(dequantize(raw, qtype)).view(len(w), -1)
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
