@@ -48,6 +48,7 @@ from specserve import LLM, SamplingParams
 from specserve.bench.probes import machine, memory_bandwidth_gbs, weight_bytes
 from specserve.bench.random_models import resolve
 from specserve.bench.report import median_cell, published_suffix
+from specserve.bench.runners import precision_args
 from specserve.data.prompts import PROMPT_SETS
 from specserve.kernels.cpu import cpu_flags
 from specserve.models.catalogue import bundled_drafters, resolve_model
@@ -60,14 +61,13 @@ TOOLS = ("llama-bench", "llama-speculative-simple", "llama-quantize")
 # the specserve side beside each GGUF type: the LLM's arguments and the speculative_config
 # keys that put the drafter's weights in the same precision (llama.cpp drafts with the draft
 # GGUF of that type)
-PRECISIONS = {"bf16": ({"dtype": "bfloat16"}, {}),
-              "q8_0": ({"dtype": "bfloat16", "quantization": "int8"}, {"quantization": "int8"})}
-# a shipped GGUF's types, each beside specserve running that file's own blocks (loaded in
-# float32, multiplied as llama.cpp's blocks); drafters in q8_0 beside 4-bit targets
-GGUF_PRECISIONS = {
-    "q4_1 (as shipped)": ({"dtype": "float32", "quantization": "q4_1"}, {"quantization": "q8_0"}),
-    "q8_0": ({"dtype": "float32", "quantization": "q8_0"}, {"quantization": "q8_0"}),
-    "bf16": PRECISIONS["bf16"]}
+PRECISIONS = {"bf16": (precision_args("bfloat16"), {}),
+              "q8_0": (precision_args("int8"), {"quantization": "int8"})}
+# a shipped GGUF's types, each beside specserve running that file's own blocks;
+# drafters in q8_0 beside 4-bit targets
+GGUF_PRECISIONS = {"q4_1 (as shipped)": (precision_args("q4_1"), {"quantization": "q8_0"}),
+                   "q8_0": (precision_args("q8_0"), {"quantization": "q8_0"}),
+                   "bf16": PRECISIONS["bf16"]}
 
 
 def run(cmd: list[str], **kw) -> str:

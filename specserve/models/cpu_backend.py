@@ -20,7 +20,6 @@ from torch import nn
 
 from specserve.config import check_quantization
 from specserve.kernels.cpu import (
-    BLOCK_TYPES,
     CpuLayer,
     HeadChain,
     LlamaChain,
@@ -63,10 +62,9 @@ class DecodeLinear(nn.Module):
             # A plain attribute, so that module.to() and .float() (a head's prepare, which may
             # hold the target's lm_head) never convert it out of the kernel's layout.
             self.weight = None
-            self.kernel_weight = pack_weight(
-                linear.weight, lib.specserve_block(), pairs=bf16_inputs,
-                int8=quantization == "int8", absmax=getattr(linear, "row_absmax", None),
-                blocks=quantization if quantization in BLOCK_TYPES else None)
+            self.kernel_weight = pack_weight(linear.weight, lib.specserve_block(),
+                                             pairs=bf16_inputs, quantization=quantization,
+                                             absmax=getattr(linear, "row_absmax", None))
             return
         self.weight = linear.weight                  # same Parameter: ties stay tied
         self.kernel_weight = None

@@ -16,7 +16,12 @@ from specserve.kernels.cpu import BLOCK_TYPES, linear_rows, pack_weight, quantiz
 from specserve.kernels.cpu.binding import QB, weight_mode
 from specserve.models.cpu_backend import DecodeLinear
 from tests.methods.test_heads import eagle3_ckpt
-from tests.models.test_quantization import GREEDY, _kernel_built, _prompts  # noqa: F401
+from tests.models.test_quantization import (  # noqa: F401
+    GREEDY,
+    _kernel_built,
+    _prompts,
+    quantized_inputs,
+)
 
 
 def _dequantized(w: torch.Tensor, kind: str) -> torch.Tensor:
@@ -34,12 +39,8 @@ def _dequantized(w: torch.Tensor, kind: str) -> torch.Tensor:
 def _reference(x: torch.Tensor, w: torch.Tensor, kind: str) -> torch.Tensor:
     """In float64: each block of QB inputs quantized as the kernel does (round(x * 127 /
     max|x|)) times the dequantized weights, summed over the blocks."""
-    deq = _dequantized(w, kind).double()
-    T, inp = x.shape
-    xb = torch.cat([x, x.new_zeros(T, deq.shape[1] - inp)], 1).view(T, -1, QB)
-    m = xb.abs().amax(-1, keepdim=True)
-    xq = (xb * torch.where(m > 0, 127 / m, 0)).round().clamp(-127, 127) * (m / 127)
-    return xq.view(T, -1).double() @ deq.T
+    xq, m = quantized_inputs(x)
+    return (xq * (m / 127)).view(len(x), -1).double() @ _dequantized(w, kind).double().T
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
@@ -51,7 +52,7 @@ def test_block_linear_sums_the_dequantized_products_and_rows_do_not_interact(kin
         w = torch.randn(out, inp, generator=g)
         w[0, :QB] = 0                                       # an all-zero block: d = 0
         x = torch.randn(rows, inp, generator=g)
-        packed = pack_weight(w, lib.specserve_block(), blocks=kind)
+        packed = pack_weight(w, lib.specserve_block(), quantization=kind)
         assert weight_mode(packed) == (5 if kind == "q8_0" else 4)
         y = linear_rows(lib, x, packed, None, out)
         ref = _reference(x, w, kind)

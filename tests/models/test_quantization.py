@@ -52,15 +52,22 @@ def test_quantize_int8_is_symmetric_per_output_column():
     assert torch.equal(q.abs().amax(1)[scale > 0], torch.full((69,), 127, dtype=torch.int8))
 
 
+def quantized_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, in] as the kernel quantizes it for int8 and block weights: per block of QB inputs
+    (zero-padded) round(x * 127 / max|x|) in float32, and the blocks' max|x|: [T, nblk, QB]
+    and [T, nblk, 1]."""
+    T, inp = x.shape
+    xb = torch.cat([x, x.new_zeros(T, -inp % QB)], 1).view(T, -1, QB)
+    m = xb.abs().amax(-1, keepdim=True)
+    return (xb * torch.where(m > 0, 127 / m, 0)).round().clamp(-127, 127), m
+
+
 def _w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """What the int8 linear computes, in float64: the inputs quantized per block of QB
-    (round(x * 127 / max|x|), float32 as the kernel does), each block's integer dot product
-    with the int8 weights times the block's scale, summed, times the column's scale."""
-    T, inp = x.shape
-    pad = -inp % QB
-    xb = torch.cat([x, x.new_zeros(T, pad)], 1).view(T, -1, QB)             # [T, nblk, QB]
-    m = xb.abs().amax(-1, keepdim=True)                                      # [T, nblk, 1]
-    xq = (xb * torch.where(m > 0, 127 / m, 0)).round().clamp(-127, 127)
+    (`quantized_inputs`), each block's integer dot product with the int8 weights times the
+    block's scale, summed, times the column's scale."""
+    xq, m = quantized_inputs(x)
+    pad = -x.shape[1] % QB
     qb = torch.cat([q, q.new_zeros(len(q), pad)], 1).view(len(q), -1, QB)    # [out, nblk, QB]
     dots = torch.einsum("tjk,ojk->toj", xq.double(), qb.double())           # [T, out, nblk]
     return (dots * (m / 127).double().transpose(1, 2)).sum(-1) * scale.double()
@@ -75,7 +82,7 @@ def test_int8_linear_sums_the_quantized_products_and_rows_do_not_interact():
     for out, inp in ((40, 24), (64, 100), (130, 33), (384, 96)):
         w = torch.randn(out, inp, generator=g)
         b = torch.randn(out, generator=g)
-        packed = pack_weight(w, block, int8=True)
+        packed = pack_weight(w, block, quantization="int8")
         tiles, in_q = -(-out // (4 * block)), -(-inp // QB) * QB
         assert packed.dtype == torch.int8 and packed.shape == (tiles, (in_q + 4) * 4 * block)
         q, scale = quantize_int8(w)

@@ -227,8 +227,8 @@ def quantize_blocks(weight: torch.Tensor, kind: str
 
 
 def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
-                int8: bool = False, absmax: torch.Tensor | None = None,
-                blocks: str | None = None) -> torch.Tensor:
+                quantization: str | None = None, absmax: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """weight [out, in] (float32 or bfloat16) -> the kernel's layout
     [ceil(out / (GROUP block)), in, GROUP, block]: groups of GROUP blocks of `block` output
     columns (the kernel's vector width, `lib.specserve_block()`), input by input, so that the
@@ -240,11 +240,11 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
     bytes and widens a pair per 32-bit lane. The products and sums are those of float32 weights.
     Layout [.., ceil(in / 2), GROUP, 2 block]; with `pairs` (the inputs rounded to bfloat16
     too: bfloat16 models; the weight must hold bfloat16 values) the same bytes as
-    [.., ceil(in / 2), GROUP, block, 2]. `int8`: `quantize_int8`'s values + 128 (unsigned
-    bytes, what the dot product instruction takes; the inputs padded with zeros to a multiple
-    of QB), each group [in_q / 4, GROUP, block, 4] (four consecutive inputs of a column side
+    [.., ceil(in / 2), GROUP, block, 2]. `quantization="int8"`: `quantize_int8`'s values +
+    128 (unsigned bytes, what the dot product instruction takes; the inputs padded with zeros
+    to a multiple of QB), each group [in_q / 4, GROUP, block, 4] (four consecutive inputs of a column side
     by side) followed by its GROUP block float32 scales, as int8 [groups, (in_q + 4) GROUP
-    block] (`absmax`: see `quantize_int8`). `blocks` ("q4_0", "q4_1", "q8_0"):
+    block] (`absmax`: see `quantize_int8`). "q4_0", "q4_1", "q8_0":
     `quantize_blocks`'s, each group block by block as [units, GROUP block, 4] value bytes (a
     unit: four bytes of each column; Q4's hold inputs 4p.. in their low nibbles and 16 + 4p..
     in their high ones), then the GROUP block d and m in float16, as uint8 [groups, nblk,
@@ -253,8 +253,8 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
     w = weight.detach()
     if out % (GROUP * block):
         w = torch.cat([w, w.new_zeros(-out % (GROUP * block), inp)])
-    if blocks is not None:
-        values, d, m = quantize_blocks(w, blocks)
+    if quantization in BLOCK_TYPES:
+        values, d, m = quantize_blocks(w, quantization)
         cols, nblk = GROUP * block, d.shape[1]
         units = values.shape[2] // 4
         v = values.reshape(-1, cols, nblk, units, 4).transpose(0, 2, 3, 1, 4)
@@ -262,7 +262,7 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
                   for a in (d, m)]                                   # [groups, nblk, 2 cols]
         packed = np.concatenate([v.reshape(len(v), nblk, -1)] + scales, 2)
         return torch.from_numpy(packed.reshape(len(v), nblk, units * 4 + 4, cols))
-    if int8:
+    if quantization == "int8":
         if absmax is not None:
             absmax = torch.cat([absmax, absmax.new_zeros(len(w) - len(absmax))])
         q, scale = quantize_int8(w, absmax)

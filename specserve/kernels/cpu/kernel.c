@@ -346,6 +346,51 @@ static void free_qrows(QRows *q) {
     free(q->sum);
 }
 
+/* One unit of four inputs for n rows: isum[t][b] += the integer dot products of the unit's
+ * GROUP vectors of offset bytes at wu (int8 weights + 128, four inputs of a column per 32-bit
+ * lane) with row t's four int8 inputs at xu + t ld. On AVX512-VNNI and in plain code the sums
+ * carry the offset (128 times the inputs' sum: I8_OFFSET), on AVX2 none. */
+static inline __attribute__((always_inline)) void dot_bytes(vi isum[CHUNK][GROUP],
+                                                           const uint8_t *wu, const int8_t *xu,
+                                                           int64_t ld, int n) {
+#if defined(__AVX512VNNI__) && VL == 16
+    __m512i w[GROUP];
+    for (int b = 0; b < GROUP; b++) w[b] = _mm512_loadu_si512((const void *)(wu + b * VL * 4));
+    for (int t = 0; t < n; t++) {
+        int32_t x4;
+        memcpy(&x4, xu + t * ld, 4);
+        const __m512i xb = _mm512_set1_epi32(x4);
+        for (int b = 0; b < GROUP; b++)
+            isum[t][b] = (vi)_mm512_dpbusd_epi32((__m512i)isum[t][b], w[b], xb);
+    }
+#elif I8_AVX2
+    /* No byte dot product into 32-bit sums: the signed weight (the offset byte's top bit
+     * flipped) takes the input's sign, and that times |input| sums in pairs to at most
+     * 2 * 127 * 127, inside 16 bits (never saturating), then in fours to 32 bits. The sums then
+     * carry no offset. Scalar code per byte ran int8 slower than bfloat16. */
+    const __m256i flip = _mm256_set1_epi8((char)0x80), one = _mm256_set1_epi16(1);
+    __m256i w[GROUP];
+    for (int b = 0; b < GROUP; b++)
+        w[b] = _mm256_xor_si256(_mm256_loadu_si256((const void *)(wu + b * VL * 4)), flip);
+    for (int t = 0; t < n; t++) {
+        int32_t x4;
+        memcpy(&x4, xu + t * ld, 4);
+        const __m256i xb = _mm256_set1_epi32(x4), ax = _mm256_abs_epi8(xb);
+        for (int b = 0; b < GROUP; b++)
+            isum[t][b] += (vi)_mm256_madd_epi16(
+                _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[b], xb)), one);
+    }
+#else
+    for (int b = 0; b < GROUP; b++) {
+        vi w;
+        memcpy(&w, wu + b * VL * 4, sizeof w);
+        for (int t = 0; t < n; t++)
+            for (int k = 0; k < 4; k++)
+                isum[t][b] += ((w >> (8 * k)) & 0xff) * (int32_t)xu[t * ld + k];
+    }
+#endif
+}
+
 /* An I8 tile of tb <= ROWS rows of q from row t0: weights packed per group as [in_q / 4]
  * [GROUP][VL][4] bytes, each the int8 weight + 128 (unsigned, what the dot product instruction
  * takes), then the group's GROUP VL float32 column scales. Block by block, the rows CHUNK at
@@ -369,45 +414,7 @@ static inline __attribute__((always_inline)) void tile_i8(const uint8_t *wp, con
                 const uint8_t *wu = wj + u * GROUP * VL * 4;
                 const int8_t *xu = q->x + (t0 + c) * q->in_q + j * QB + u * 4;
                 if (c == 0) prefetch_ahead(wu, GROUP * VL * 4);
-#if defined(__AVX512VNNI__) && VL == 16
-                __m512i w[GROUP];
-                for (int b = 0; b < GROUP; b++)
-                    w[b] = _mm512_loadu_si512((const void *)(wu + b * VL * 4));
-                for (int t = 0; t < n; t++) {
-                    int32_t x4;
-                    memcpy(&x4, xu + t * q->in_q, 4);
-                    const __m512i xb = _mm512_set1_epi32(x4);
-                    for (int b = 0; b < GROUP; b++)
-                        isum[t][b] = (vi)_mm512_dpbusd_epi32((__m512i)isum[t][b], w[b], xb);
-                }
-#elif I8_AVX2
-                /* No byte dot product into 32-bit sums: the signed weight (the offset byte's
-                 * top bit flipped) takes the input's sign, and that times |input| sums in pairs
-                 * to at most 2 * 127 * 127, inside 16 bits (never saturating), then in fours
-                 * to 32 bits. The sums then carry no offset. Scalar code per byte ran int8
-                 * slower than bfloat16. */
-                const __m256i flip = _mm256_set1_epi8((char)0x80), one = _mm256_set1_epi16(1);
-                __m256i w[GROUP];
-                for (int b = 0; b < GROUP; b++)
-                    w[b] = _mm256_xor_si256(
-                        _mm256_loadu_si256((const void *)(wu + b * VL * 4)), flip);
-                for (int t = 0; t < n; t++) {
-                    int32_t x4;
-                    memcpy(&x4, xu + t * q->in_q, 4);
-                    const __m256i xb = _mm256_set1_epi32(x4), ax = _mm256_abs_epi8(xb);
-                    for (int b = 0; b < GROUP; b++)
-                        isum[t][b] += (vi)_mm256_madd_epi16(
-                            _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[b], xb)), one);
-                }
-#else
-                for (int b = 0; b < GROUP; b++) {
-                    vi w;
-                    memcpy(&w, wu + b * VL * 4, sizeof w);
-                    for (int t = 0; t < n; t++)
-                        for (int k = 0; k < 4; k++)
-                            isum[t][b] += ((w >> (8 * k)) & 0xff) * (int32_t)xu[t * q->in_q + k];
-                }
-#endif
+                dot_bytes(isum, wu, xu, q->in_q, n);
             }
             for (int t = 0; t < n; t++) {
                 const int64_t r = (t0 + c + t) * q->nblk + j;
@@ -475,60 +482,46 @@ static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int 
                 const uint8_t *wu = wj + u * W * 4;
                 const int8_t *xu = q->x + (t0 + c) * q->in_q + j * QB + u * 4;
                 if (c == 0) prefetch_ahead(wu, W * 4);
+                if (bits == 8) {
+                    dot_bytes(isum, wu, xu, q->in_q, n);
+                    continue;
+                }
+                /* nibbles: the low ones times inputs 4p.., the high ones times 16 + 4p.. */
 #if defined(__AVX512VNNI__) && VL == 16
-                __m512i w[GROUP], hi[GROUP];
+                const __m512i low4 = _mm512_set1_epi8(0x0f);
+                __m512i lo[GROUP], hi[GROUP];
                 for (int b = 0; b < GROUP; b++) {
-                    w[b] = _mm512_loadu_si512((const void *)(wu + b * VL * 4));
-                    if (bits == 4) {
-                        const __m512i low4 = _mm512_set1_epi8(0x0f);
-                        hi[b] = _mm512_and_si512(_mm512_srli_epi16(w[b], 4), low4);
-                        w[b] = _mm512_and_si512(w[b], low4);
-                    }
+                    const __m512i w = _mm512_loadu_si512((const void *)(wu + b * VL * 4));
+                    lo[b] = _mm512_and_si512(w, low4);
+                    hi[b] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low4);
                 }
                 for (int t = 0; t < n; t++) {
-                    int32_t x4;
-                    memcpy(&x4, xu + t * q->in_q, 4);
-                    const __m512i xb = _mm512_set1_epi32(x4);
+                    int32_t xl, xh;
+                    memcpy(&xl, xu + t * q->in_q, 4);
+                    memcpy(&xh, xu + t * q->in_q + 16, 4);
+                    const __m512i bl = _mm512_set1_epi32(xl), bh = _mm512_set1_epi32(xh);
                     for (int b = 0; b < GROUP; b++)
-                        isum[t][b] = (vi)_mm512_dpbusd_epi32((__m512i)isum[t][b], w[b], xb);
-                    if (bits == 4) {
-                        memcpy(&x4, xu + t * q->in_q + 16, 4);
-                        const __m512i xh = _mm512_set1_epi32(x4);
-                        for (int b = 0; b < GROUP; b++)
-                            isum[t][b] = (vi)_mm512_dpbusd_epi32((__m512i)isum[t][b], hi[b], xh);
-                    }
+                        isum[t][b] = (vi)_mm512_dpbusd_epi32(
+                            _mm512_dpbusd_epi32((__m512i)isum[t][b], lo[b], bl), hi[b], bh);
                 }
 #elif I8_AVX2
-                /* nibbles (at most 15) times int8 sum in 16-bit pairs without saturating;
-                 * Q8's bytes take tile_i8's sign trick, so its sums carry no offset */
+                /* nibbles (at most 15) times int8 sum in 16-bit pairs without saturating */
                 const __m256i one = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
-                __m256i w[GROUP], hi[GROUP];
+                __m256i lo[GROUP], hi[GROUP];
                 for (int b = 0; b < GROUP; b++) {
-                    w[b] = _mm256_loadu_si256((const void *)(wu + b * VL * 4));
-                    if (bits == 4) {
-                        hi[b] = _mm256_and_si256(_mm256_srli_epi16(w[b], 4), low4);
-                        w[b] = _mm256_and_si256(w[b], low4);
-                    } else {
-                        w[b] = _mm256_xor_si256(w[b], _mm256_set1_epi8((char)0x80));
-                    }
+                    const __m256i w = _mm256_loadu_si256((const void *)(wu + b * VL * 4));
+                    lo[b] = _mm256_and_si256(w, low4);
+                    hi[b] = _mm256_and_si256(_mm256_srli_epi16(w, 4), low4);
                 }
                 for (int t = 0; t < n; t++) {
-                    int32_t x4;
-                    memcpy(&x4, xu + t * q->in_q, 4);
-                    const __m256i xb = _mm256_set1_epi32(x4);
-                    if (bits == 4) {
-                        memcpy(&x4, xu + t * q->in_q + 16, 4);
-                        const __m256i xh = _mm256_set1_epi32(x4);
-                        for (int b = 0; b < GROUP; b++)
-                            isum[t][b] += (vi)_mm256_madd_epi16(
-                                _mm256_add_epi16(_mm256_maddubs_epi16(w[b], xb),
-                                                 _mm256_maddubs_epi16(hi[b], xh)), one);
-                    } else {
-                        const __m256i ax = _mm256_abs_epi8(xb);
-                        for (int b = 0; b < GROUP; b++)
-                            isum[t][b] += (vi)_mm256_madd_epi16(
-                                _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w[b], xb)), one);
-                    }
+                    int32_t xl, xh;
+                    memcpy(&xl, xu + t * q->in_q, 4);
+                    memcpy(&xh, xu + t * q->in_q + 16, 4);
+                    const __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
+                    for (int b = 0; b < GROUP; b++)
+                        isum[t][b] += (vi)_mm256_madd_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(lo[b], bl),
+                                             _mm256_maddubs_epi16(hi[b], bh)), one);
                 }
 #else
                 for (int b = 0; b < GROUP; b++) {
@@ -537,11 +530,8 @@ static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int 
                     for (int t = 0; t < n; t++)
                         for (int k = 0; k < 4; k++) {
                             const int8_t *xk = xu + t * q->in_q + k;
-                            if (bits == 4)
-                                isum[t][b] += ((w >> (8 * k)) & 0xf) * (int32_t)xk[0]
-                                              + ((w >> (8 * k + 4)) & 0xf) * (int32_t)xk[16];
-                            else
-                                isum[t][b] += ((w >> (8 * k)) & 0xff) * (int32_t)xk[0];
+                            isum[t][b] += ((w >> (8 * k)) & 0xf) * (int32_t)xk[0]
+                                          + ((w >> (8 * k + 4)) & 0xf) * (int32_t)xk[16];
                         }
                 }
 #endif
