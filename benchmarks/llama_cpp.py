@@ -65,6 +65,11 @@ PRECISIONS = {"bf16": (precision_args("bfloat16"), {}),
               "q8_0": (precision_args("int8"), {"quantization": "int8"})}
 # a shipped GGUF's types, each beside specserve running that file's own blocks;
 # drafters in q8_0 beside 4-bit targets
+# the draft GGUF llama.cpp drafts with beside each of those (the type of specserve's drafter)
+DRAFT_OUTTYPE = {"q4_1 (as shipped)": "q8_0", "q8_0": "q8_0", "bf16": "bf16"}
+# a bundled drafter's speculative_config where its catalogue suffix is not its method name
+BUNDLED_SPECS = {"pard": {"method": "draft_model", "parallel_drafting": True}}
+HEAD_K = {"mtp": 1, "pard": 4}
 GGUF_PRECISIONS = {"q4_1 (as shipped)": (precision_args("q4_1"), {"quantization": "q8_0"}),
                    "q8_0": (precision_args("q8_0"), {"quantization": "q8_0"}),
                    "bf16": PRECISIONS["bf16"]}
@@ -205,11 +210,12 @@ def bits_per_byte(target: str, precision: dict, texts: list[str]) -> float:
     return nll / math.log(2) / nbytes
 
 
-def gguf_runs(a: argparse.Namespace, ks: list[int], streamed: dict[tuple, dict],
+def gguf_runs(a: argparse.Namespace, src: Path, ks: list[int], streamed: dict[tuple, dict],
               quality: dict[str, float]) -> dict[tuple, Callable[[], float]]:
     """A shipped GGUF (a catalogue name, e.g. smollm2-135m-instruct) as shipped and rewritten
     as Q8_0 and BF16, each file read by both engines: plain and n-gram lookup on both sides,
-    and specserve's drafters bundled for it. `streamed` gets each (model, precision)'s bytes
+    the bundled draft model on both sides (llama.cpp's draft-simple with it converted to GGUF),
+    and specserve's other drafters bundled for it. `streamed` gets each (model, precision)'s bytes
     read per token on each side (the file's tensors; specserve's weights as it holds them);
     `quality` each precision's held-out bits per byte in specserve (float32: the shipped
     blocks' values, unquantized inputs)."""
@@ -232,10 +238,22 @@ def gguf_runs(a: argparse.Namespace, ks: list[int], streamed: dict[tuple, dict],
             runs[(name, label, f"n-gram lookup, K={k}", "llama.cpp")] = functools.partial(
                 llama_speculative, path, None, prompts, a.tokens, k, a.threads)
             specs[f"n-gram lookup, K={k}"] = {"method": "ngram", "num_speculative_tokens": k}
+        if "draft_model" in heads:       # the bundled draft on both sides, at every K
+            draft = gguf(src, resolve_model(heads["draft_model"]), DRAFT_OUTTYPE[label])
+            for k in ks:
+                runs[(name, label, f"draft model (bundled), K={k}", "llama.cpp")] = \
+                    functools.partial(llama_speculative, path, draft, prompts, a.tokens, k,
+                                      a.threads)
+                specs[f"draft model (bundled), K={k}"] = {
+                    "method": "draft_model", "model": heads["draft_model"],
+                    "num_speculative_tokens": k, **drafter}
         for method, model in heads.items():
-            k = 1 if method == "mtp" else 2          # each head's best K in the latency runs
-            specs[f"{method} (bundled), K={k} (specserve only)"] = {
-                "method": method, "model": model, "num_speculative_tokens": k, **drafter}
+            if method == "draft_model":
+                continue
+            k = HEAD_K.get(method, 2)                 # each one's best K in the latency runs
+            spec = BUNDLED_SPECS.get(method, {"method": method})
+            specs[f"{method} (bundled), K={k} (specserve only)"] = spec | {
+                "model": model, "num_speculative_tokens": k, **drafter}
         for config, spec in specs.items():
             llm = specserve_engine(str(path), spec, precision, prompts[0])
             runs[(name, label, config, "specserve")] = functools.partial(
@@ -323,7 +341,7 @@ def main() -> None:
     bw = memory_bandwidth_gbs()
     quality: dict[str, float] = {}
     if a.gguf:
-        runs.update(gguf_runs(a, ks, streamed, quality))
+        runs.update(gguf_runs(a, src, ks, streamed, quality))
     for outtype, (precision, drafter) in ({} if a.gguf else PRECISIONS).items():
         t, d = gguf(src, a.target, outtype), gguf(src, a.draft, outtype)
         specs = {"no speculation": None}

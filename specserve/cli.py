@@ -159,6 +159,19 @@ def cmd_train(args: argparse.Namespace) -> None:
                             head_options=head_options, chat=args.eval_chat)
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
+    if args.kind in ("draft", "pard") and args.hidden_states:
+        from specserve.train.draft_states import train_draft_on_states
+        if not args.target:
+            raise SystemExit(f"specserve train {args.kind} --hidden-states needs --target (the "
+                             "model whose states they are)")
+        init = args.draft if args.kind == "pard" else args.init
+        quality = train_draft_on_states(
+            cfg, shape, Path(args.target), Path(args.out), Path(args.hidden_states),
+            init=Path(init) if init else None,
+            pard_k=(args.num_speculative_tokens or 8) if args.kind == "pard" else None,
+            depth_gamma=args.depth_gamma)
+        print(json.dumps(quality or {"stopped": "time limit; run again to resume"}))
+        return
     if args.kind == "pard":
         from specserve.train.pard import train_pard
         if not (args.draft and args.target):
@@ -301,9 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "continuations included) instead of keeping the init head's; its "
                         "lm_head rows carry over for the tokens both keep")
     t.add_argument("--hidden-states", default=None,
-                   help="heads: train on the files speculative_config method "
-                        "extract_hidden_states wrote to this directory (served traffic) instead "
-                        "of corpus text; no target pass is run")
+                   help="heads, draft and pard: train on the files speculative_config method "
+                        "extract_hidden_states (or train chat-data) wrote to this directory "
+                        "instead of corpus text; no target pass is run (pard: --draft is "
+                        "optional, a fresh draft of the given shape is trained otherwise)")
     t.add_argument("--depth-gamma", type=float, default=None,
                    help="pard and eagle3 --parallel: weigh the loss of the draft d tokens "
                         "ahead by exp(-(d-1) / GAMMA) (as DFlash weighs its block), so that a "

@@ -32,8 +32,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import load_file
 from torch import nn
 
 from specserve import methods
@@ -45,6 +43,7 @@ from specserve.models.loader import load_model
 from specserve.sampling_params import SamplingParams
 from specserve.train.generated import GeneratedData, fit_prompts, with_generated
 from specserve.train.lm import _setup, prepare_data
+from specserve.train.states import read_hidden_states, state_batches
 from specserve.train.trainer import TrainConfig, _positions, train
 
 
@@ -164,43 +163,6 @@ def state_loss(method: str, head: nn.Module, target, k: int, top1_weight: float 
         return _method_loss(method, head, x, b["positions"], b["hidden"], b["aux_hidden"], logp,
                             k, top1_weight)
     return fn
-
-
-def read_hidden_states(directory: Path) -> tuple[list[dict[str, torch.Tensor]], tuple[int, ...]]:
-    """The files `extract_hidden_states` wrote to `directory`, and the target layers they hold."""
-    files = sorted(Path(directory).rglob("*.safetensors"))      # batch directories too
-    if not files:
-        raise ValueError(f"{directory} holds no .safetensors files; write some with "
-                         "speculative_config {\"method\": \"extract_hidden_states\", "
-                         "\"hidden_states_dir\": ...}")
-    data, layers = [], set()
-    for f in files:
-        with safe_open(str(f), "pt") as h:
-            layers.add(h.metadata()["layers"])
-        data.append(load_file(str(f)))
-    if len(layers) != 1:
-        raise ValueError(f"{directory} mixes files of different target layers {sorted(layers)}")
-    return data, tuple(json.loads(layers.pop()))
-
-
-def state_batches(data: list[dict[str, torch.Tensor]], cfg: TrainConfig, device: torch.device):
-    """batches(step) for `train`: random windows of seq_len + 1 tokens of the files with their
-    states (a function of (seed, step) only, so resume is exact)."""
-    long = [d for d in data if len(d["token_ids"]) > cfg.seq_len]
-    if not long:
-        raise ValueError(f"no hidden-state file holds more than --seq-len {cfg.seq_len} tokens; "
-                         "lower --seq-len")
-
-    def batch(step: int) -> dict[str, torch.Tensor]:
-        rng = np.random.default_rng([cfg.seed, step])
-        picks = [(long[i], int(rng.integers(0, len(long[i]["token_ids"]) - cfg.seq_len)))
-                 for i in rng.integers(0, len(long), size=cfg.batch_size)]
-        S = cfg.seq_len
-        return {"xy": torch.stack([d["token_ids"][s:s + S + 1] for d, s in picks]).to(device),
-                "positions": torch.stack([torch.arange(s, s + S) for _, s in picks]).to(device),
-                "aux_hidden": torch.stack([d["aux_hidden"][s:s + S] for d, s in picks]).to(device),
-                "hidden": torch.stack([d["hidden"][s:s + S] for d, s in picks]).to(device)}
-    return batch
 
 
 def joint_head_loss(heads: nn.ModuleDict, target, k: int, top1_weight: float = 0.0):

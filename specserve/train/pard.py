@@ -28,7 +28,7 @@ from specserve.models.loader import load_model
 from specserve.train.generated import GeneratedData, with_generated
 from specserve.train.heads import evaluate_tau
 from specserve.train.lm import _setup, prepare_data, train_and_export
-from specserve.train.trainer import LossFn, TrainConfig, _positions
+from specserve.train.trainer import LossFn, TrainConfig, _positions, batch_tokens, target_logits
 
 
 def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_id: int,
@@ -54,7 +54,8 @@ def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_i
             layouts[L] = pard_mask(L, k, device), valid, copy, w / w.sum()
         return layouts[L]
 
-    def fn(xy: torch.Tensor):
+    def fn(batch):
+        xy = batch_tokens(batch)
         x, y = xy[:, :-1], xy[:, 1:]                                      # [B, L]
         B, L = x.shape
         mask, valid, copy, w = layout(L, x.device)                       # w: [n], sums to 1
@@ -67,7 +68,7 @@ def pard_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, k: int, mask_i
         nll = -logp.gather(-1, labels[..., None]).squeeze(-1)              # [B, n]
         ce = (nll * w).sum() / B
         with torch.no_grad():
-            t_logp = F.log_softmax(teacher.compute_logits(teacher(x, _positions(x))).float(), -1)
+            t_logp = F.log_softmax(target_logits(teacher, batch), -1)       # [B, L, V]
         t_rows = t_logp[:, None].expand(B, k, L, -1)[:, valid]             # [B, n, V]
         kl_rows = F.kl_div(logp, t_rows, log_target=True, reduction="none").sum(-1)  # [B, n]
         if top1_weight:

@@ -170,17 +170,33 @@ def plot_losses(log: list[dict], path: Path, title: str) -> None:
 LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
+def target_logits(teacher, batch) -> torch.Tensor:
+    """The teacher's logits [B, S, V] for a batch: a pass over its tokens [B, S + 1], or, for a
+    batch of extracted states (`state_batches`), its lm_head over the last hidden states the
+    files hold (the same logits without the pass)."""
+    if isinstance(batch, dict):
+        return teacher.compute_logits(batch["hidden"]).float()
+    x = batch[:, :-1]
+    return teacher.compute_logits(teacher(x, _positions(x))).float()
+
+
+def batch_tokens(batch) -> torch.Tensor:
+    """The tokens [B, S + 1] of a batch of tokens or of extracted states."""
+    return batch["xy"] if isinstance(batch, dict) else batch
+
+
 def lm_loss(model, teacher=None, kd_alpha: float = 1.0) -> LossFn:
     """Next-token cross-entropy; with a teacher, kd_alpha * KL(teacher || model) + rest * CE.
-    The returned function maps a batch [B, S + 1] to (loss, values to log)."""
-    def fn(xy: torch.Tensor):
+    The returned function maps a batch (`batch_tokens`) to (loss, values to log)."""
+    def fn(batch):
+        xy = batch_tokens(batch)
         x, y = xy[:, :-1], xy[:, 1:]
         logits = model.compute_logits(model(x, _positions(x))).float()      # [B, S, V]
         ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         if teacher is None:
             return ce, {"loss": ce.item()}
         with torch.no_grad():
-            t_logits = teacher.compute_logits(teacher(x, _positions(x))).float()
+            t_logits = target_logits(teacher, batch)
         kl = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1),
                       F.log_softmax(t_logits, -1).flatten(0, 1),
                       log_target=True, reduction="batchmean")

@@ -1,0 +1,182 @@
+"""Where a CPU decode step's time goes: a model's step on the kernel taken apart, beside the
+bandwidth floor of each part. Not a test; CI does not run it.
+
+    python benchmarks/step_split.py [--target smollm2-135m-instruct]
+        [--dtype bfloat16,int8,q4_1] [--contexts 128,1024] [--rows 1,5] [--publish]
+
+Per precision, context and rows (1: a decode; 5: the verify of 4 drafts), medians of
+`--repeats` interleaved timings:
+- forward: the layers' one C call (embedding, 30 layers, final norm) on `rows` new tokens
+  after `context` cached ones;
+- linears: every layer's four packed products (qkv, o, gate_up, down) on inputs of `rows`
+  rows, layer after layer as the step runs them (so each layer's weights come from memory,
+  not a warm cache), less what as many calls of a 64 x 64 product cost from Python;
+- attention and the rest = forward - linears (attention over the context, RMSNorms, rotary,
+  SiLU, residuals, the call's threading);
+- lm_head: the vocabulary projection of the `rows` final states;
+- engine: with rows 1 at the decode probe's context, a whole decode step through
+  `LLM.generate` (prompt left out) minus forward and lm_head: scheduling, sampling, Python.
+The floor of a part is the bytes of its weights over the memory bandwidth measured in the same
+run. `CFLAGS=-mno-avx512f` builds the kernel for AVX2 (the `kernel` field says which build
+ran). Writes runs/step_split/; with --publish benchmarks/latest/step-split-<target>[-avx2].*
+and a line in benchmarks/HISTORY.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specserve import LLM
+from specserve.bench.probes import decode_ms_per_token, machine, memory_bandwidth_gbs
+from specserve.bench.runners import precision_args
+from specserve.kernels.cpu import binding
+from specserve.models.metadata import build_metadata
+
+REPO = Path(__file__).resolve().parents[1]
+DECODE_CONTEXT = 128        # decode_ms_per_token: a 64-token prompt and 128 new tokens
+
+
+def _linears(model) -> list:
+    return [lin for layer in model.layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()                                                          # warm up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+@torch.inference_mode()
+def split(llm: LLM, context: int, rows: int, repeats: int) -> dict[str, float]:
+    """The parts' times in ms for one step of `rows` rows after `context` tokens."""
+    engine = llm.engine
+    model = engine.model
+    lib = binding.load_library()
+    ids = torch.arange(10, 10 + rows)
+    md, pos = build_metadata([context], [rows], [0], engine.device)
+    hidden = model(ids, pos, md, engine.cache.layers)
+    linears = _linears(model)
+    inputs = {lin.in_features: torch.randn(rows, lin.in_features) for lin in linears}
+
+    # what a call from Python costs beyond its product (ctypes, the output tensor), measured
+    # on a product of nothing: taken off the linears, which the forward calls from C
+    tiny = binding.pack_weight(torch.randn(64, 64), lib.specserve_block())       # float32
+    x_tiny = torch.randn(rows, 64)
+
+    def products(weights: list[tuple[torch.Tensor, torch.Tensor, int]]):
+        return lambda: [binding.linear_rows(lib, x, w, None, n) for x, w, n in weights]
+
+    real = [(inputs[lin.in_features], lin.kernel_weight, lin.out_features) for lin in linears]
+    calls = _median_ms(products([(x_tiny, tiny, 64)] * len(linears)), repeats)
+    out = {"forward": _median_ms(lambda: model(ids, pos, md, engine.cache.layers), repeats),
+           "linears": _median_ms(products(real), repeats) - calls,
+           "lm_head": _median_ms(lambda: model.compute_logits(hidden), repeats)}
+    out["attention and the rest"] = out["forward"] - out["linears"]
+    return out
+
+
+def weight_bytes(model) -> dict[str, int]:
+    return {"linears": sum(lin.kernel_weight.nbytes for lin in _linears(model)),
+            "lm_head": model.lm_head.kernel_weight.nbytes}
+
+
+def markdown(data: dict) -> str:
+    m = data["machine"]
+    lines = [f"## {data['title']}", "",
+             f"- {m['date']}, commit {m['commit']}; {m['cpu']} ({m['cpus']} CPUs), kernel "
+             f"built for {data['kernel']}; memory bandwidth {data['bandwidth_gbs']:.1f} GB/s",
+             f"- command: `{data['command']}`",
+             "- ms, medians; floor = the part's weight bytes / bandwidth; attention and the rest "
+             "= forward - linears; engine = the whole decode step - forward - lm_head", "",
+             "| precision | context | rows | forward | linears (floor) | attention and the rest "
+             "| lm_head (floor) | step | engine | decode step (floor) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        fl = r["floor_ms"]
+        step = r["forward"] + r["lm_head"]
+        engine = f"{r['engine']:.2f}" if "engine" in r else ""
+        decode = (f"{r['decode_step']:.2f} ({fl['linears'] + fl['lm_head']:.2f})"
+                  if "decode_step" in r else "")
+        lines.append(f"| {r['dtype']} | {r['context']} | {r['rows']} | {r['forward']:.2f} | "
+                     f"{r['linears']:.2f} ({fl['linears']:.2f}) | "
+                     f"{r['attention and the rest']:.2f} | {r['lm_head']:.2f} "
+                     f"({fl['lm_head']:.2f}) | {step:.2f} | {engine} | {decode} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="bfloat16,int8,q4_1")
+    p.add_argument("--contexts", default="128,1024")
+    p.add_argument("--rows", default="1,5")
+    p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--publish", action="store_true")
+    a = p.parse_args()
+    lib = binding.load_library()
+    if lib is None:
+        raise SystemExit("the CPU kernel could not be built: nothing to take apart")
+    contexts = [int(c) for c in a.contexts.split(",")]
+    rows_list = [int(r) for r in a.rows.split(",")]
+    bw = memory_bandwidth_gbs()
+    rows = []
+    for dtype in a.dtype.split(","):
+        llm = LLM(a.target, device="cpu", max_num_seqs=1, max_model_len=4096,
+                  **precision_args(dtype))
+        model = llm.engine.model
+        floors = {k: b / bw / 1e6 for k, b in weight_bytes(model).items()}
+        decode = decode_ms_per_token(llm)
+        for context in contexts:
+            for n in rows_list:
+                r = {"dtype": dtype, "context": context, "rows": n,
+                     **split(llm, context, n, a.repeats), "floor_ms": floors,
+                     "weight_bytes": weight_bytes(model)}
+                if n == 1 and context == DECODE_CONTEXT:
+                    r["decode_step"] = decode
+                    r["engine"] = decode - r["forward"] - r["lm_head"]
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+        del llm, model
+    kernel = binding.cpu_features(lib)
+    data = {"benchmark": "step-split", "title": f"{a.target}: a CPU decode step taken apart",
+            "command": "python benchmarks/step_split.py " + " ".join(sys.argv[1:]),
+            "machine": machine(), "kernel": kernel,
+            "bandwidth_gbs": max(bw, memory_bandwidth_gbs()), "rows": rows}
+    table = markdown(data)
+    out = REPO / "runs" / "step_split"
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"step-split-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)
+    if a.publish:
+        name = f"step-split-{a.target}" + ("-avx2" if kernel.startswith("AVX2") else "")
+        latest = REPO / "benchmarks" / "latest" / name
+        latest.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+        latest.with_suffix(".md").write_text(table + "\n")
+        with (REPO / "benchmarks" / "HISTORY.md").open("a") as f:
+            decode = next((r for r in rows if "engine" in r), None)
+            f.write(f"- {data['machine']['date']} · {data['machine']['commit']} · "
+                    f"{data['title']} ({kernel}) · `{data['command']}`"
+                    + (f" · {decode['dtype']} decode {decode['decode_step']:.2f} ms: forward "
+                       f"{decode['forward']:.2f} (linears {decode['linears']:.2f}), lm_head "
+                       f"{decode['lm_head']:.2f}, engine {decode['engine']:.2f}"
+                       if decode else "") + "\n")
+
+
+if __name__ == "__main__":
+    main()
