@@ -9,8 +9,11 @@ piped stdin each line is one message.
 
 from __future__ import annotations
 
+import contextlib
 import select
+import signal
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -45,15 +48,31 @@ def _more_waiting(stdin: TextIO) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _stop_on_ctrl_c():
+    """An Event that Ctrl-C sets while the block runs (in the main thread). A KeyboardInterrupt
+    would be lost when it is raised inside a finalizer or a garbage collector callback, which
+    print and swallow it: under load the answer then ran on."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def answer(engine: LLMEngine, messages: list[dict], params: SamplingParams,
            out: TextIO) -> tuple[str, str]:
     """Stream the reply to `messages`; returns its text and the status line. Ctrl-C aborts
-    the request and keeps what was written."""
+    the request after the step under way and keeps what was written."""
     rid = engine.add_request(engine.chat_prompt(messages), params)
     t0 = time.perf_counter()
-    text, last, interrupted = "", None, False
-    try:
-        while engine.has_unfinished_requests():
+    text, last = "", None
+    with _stop_on_ctrl_c() as stop:
+        while engine.has_unfinished_requests() and not stop.is_set():
             for o in engine.step():
                 if o.request_id != rid:
                     continue
@@ -62,9 +81,9 @@ def answer(engine: LLMEngine, messages: list[dict], params: SamplingParams,
                 text = o.outputs[0].text
                 out.write(delta)
                 out.flush()
-    except KeyboardInterrupt:
+    interrupted = stop.is_set() and (last is None or not last.finished)
+    if interrupted:
         engine.abort(rid)
-        interrupted = True
     dt = time.perf_counter() - t0
     n = len(last.outputs[0].token_ids) if last is not None else 0
     status = f"[{n} tokens, {n / dt:.1f} tokens/s"

@@ -69,6 +69,29 @@ def test_the_eagle_medusa_and_dflash_drafters_load_by_name_and_are_lossless(smol
     assert quality["method"] == method and quality["tau"] > tau
 
 
+@pytest.mark.parametrize("name, extra, k, tau", [
+    ("draft_model", {}, 3, 1.1), ("pard", {"parallel_drafting": True}, 4, 1.1)])
+def test_the_draft_model_drafts_chained_and_in_one_pass_by_name_losslessly(smollm2, name, extra,
+                                                                           k, tau):
+    """SmolLM2's draft model (its tokenizer, trained here on its answers, then for PARD) by
+    catalogue name: one token a pass as `-draft_model`, K in one pass as `-pard`, lossless
+    beside the GGUF."""
+    full = f"smollm2-135m-instruct-{name}"
+    assert full in bundled_drafters("smollm2-135m-instruct")
+    conversations = [[{"role": "user", "content": p}] for p in chat_prompts("heldout")[10:13]]
+    kw = {"dtype": "float32", "max_num_seqs": 3, "max_model_len": 1024}
+    ref = LLM("smollm2-135m-instruct", **kw).chat(conversations, GREEDY, use_tqdm=False)
+    llm = LLM("smollm2-135m-instruct", speculative_config={
+        "model": full, "num_speculative_tokens": k, **extra}, **kw)
+    assert llm.engine.spec.method == "draft_model"
+    out = llm.chat(conversations, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert llm.get_stats()["mean_acceptance_length"] > tau
+    quality = json.loads((BUNDLED / full / "quality.json").read_text())
+    per_k = quality["tau_per_k_parallel" if extra else "tau_per_k"]["temperature 0.0"]
+    assert per_k[str(k)] > tau
+
+
 TOP_K = 3               # three candidates a position: the joint law of two tokens is enumerable
 N_SAMPLES = 2000
 TV_BOUND = 0.06         # at most 9 cells: sampling noise in total variation is about 0.025
