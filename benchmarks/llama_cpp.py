@@ -53,6 +53,7 @@ from specserve.data.prompts import PROMPT_SETS
 from specserve.kernels.cpu import cpu_flags
 from specserve.models.catalogue import bundled_drafters, resolve_model
 from specserve.models.loader import load_tokenizer
+from specserve.train.draft_states import write_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "runs" / "llama.cpp"
@@ -138,6 +139,18 @@ def gguf(src: Path, model_dir: str, outtype: str) -> Path:
         run([sys.executable, "-c", _CONVERT, str(src), model_dir, "--outtype", outtype,
              "--outfile", str(out)])
     return out
+
+
+def with_tokenizer(draft: Path, target: Path) -> str:
+    """A bundled draft as the converter reads it: its files linked beside the target's
+    tokenizer (the zoo keeps the draft without one: the target holds it)."""
+    out = WORK / "drafts" / draft.name
+    out.mkdir(parents=True, exist_ok=True)
+    for f in draft.iterdir():
+        if not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    write_tokenizer(target, out)
+    return str(out)
 
 
 def llama_plain(model: Path, tokens: int, threads: int) -> float:
@@ -239,7 +252,8 @@ def gguf_runs(a: argparse.Namespace, src: Path, ks: list[int], streamed: dict[tu
                 llama_speculative, path, None, prompts, a.tokens, k, a.threads)
             specs[f"n-gram lookup, K={k}"] = {"method": "ngram", "num_speculative_tokens": k}
         if "draft_model" in heads:       # the bundled draft on both sides, at every K
-            draft = gguf(src, resolve_model(heads["draft_model"]), DRAFT_OUTTYPE[label])
+            draft = gguf(src, with_tokenizer(Path(resolve_model(heads["draft_model"])),
+                                             shipped), DRAFT_OUTTYPE[label])
             for k in ks:
                 runs[(name, label, f"draft model (bundled), K={k}", "llama.cpp")] = \
                     functools.partial(llama_speculative, path, draft, prompts, a.tokens, k,

@@ -70,12 +70,12 @@ def published_suffix(machine: dict, device: str = "cpu") -> str:
 
 def _write(data: dict, directory: Path, stem: str) -> dict[str, str]:
     directory.mkdir(parents=True, exist_ok=True)
-    base = directory / stem
-    base.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    base.with_suffix(".md").write_text(markdown(data))
-    out = {"json": str(base.with_suffix(".json")), "table": str(base.with_suffix(".md"))}
-    if plot(data, base.with_suffix(".png")):
-        out["plot"] = str(base.with_suffix(".png"))
+    # the stem as given: a dot in it (`...-t0.7`) is part of the name, not a suffix to replace
+    out = {"json": str(directory / f"{stem}.json"), "table": str(directory / f"{stem}.md")}
+    Path(out["json"]).write_text(json.dumps(data, indent=1) + "\n")
+    Path(out["table"]).write_text(markdown(data))
+    if plot(data, directory / f"{stem}.png"):
+        out["plot"] = str(directory / f"{stem}.png")
     return out
 
 

@@ -118,7 +118,7 @@ def train_draft_on_states(cfg: TrainConfig, shape: ModelShape, target_dir: Path,
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     ks = list(range(1, eval_k + 1))
     quality = {"parameters": model.num_parameters(), "train_steps": cfg.steps,
-               "training_tokens": int(len(ids)), "tau_per_k": chat_tau(target_dir, out, ks)}
+               "training_tokens": len(ids), "tau_per_k": chat_tau(target_dir, out, ks)}
     if pard_k:
         quality["tau_per_k_parallel"] = chat_tau(target_dir, out, ks[1:],
                                                  {"parallel_drafting": True})

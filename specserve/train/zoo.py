@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 from specserve.data.zoo import head_dir
-from specserve.models.catalogue import CATALOGUE
 from specserve.train.generated import GeneratedData
 from specserve.train.heads import train_heads
 from specserve.train.lm import ModelShape, train_draft, train_lm
@@ -418,12 +417,11 @@ MANIFEST_STAGES = {
                                     "blocks of 5; its embedding and lm_head shared): specserve "
                                     "train chat-data, then train dflash --hidden-states "
                                     "(benchmarks/README.md)",
-    "smollm2-135m-instruct-pard": "draft model for SmolLM2-135M-Instruct (its tokenizer; 4 "
-                                  "layers of width 128): specserve train chat-data, train "
+    "smollm2-135m-instruct-pard": "draft model for SmolLM2-135M-Instruct (its vocabulary; 4 "
+                                  "layers of width 128; also smollm2-135m-instruct-draft_model, "
+                                  "a link): specserve train chat-data, train "
                                   "draft --hidden-states, then train pard --hidden-states "
                                   "(benchmarks/README.md)",
-    "smollm2-135m-instruct-draft_model": "a link to smollm2-135m-instruct-pard (a PARD draft "
-                                         "drafts one token a pass too)",
 }
 
 
@@ -435,9 +433,7 @@ def manifest(models: Path) -> str:
     for path in sorted(p for p in models.rglob("*") if p.is_file() and p.name != "MANIFEST"):
         rel = path.relative_to(models)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        stage = MANIFEST_STAGES.get(rel.parts[0], "?")
-        if path.name.startswith(("tokenizer", "special_tokens")):
-            stage = ("tokenizer: the target's own, from its GGUF" if rel.parts[0].startswith(
-                tuple(CATALOGUE)) else "tokenizer: BPE trained with the target")
+        stage = ("tokenizer: BPE trained with the target" if path.name.startswith(
+            ("tokenizer", "special_tokens")) else MANIFEST_STAGES.get(rel.parts[0], "?"))
         lines.append(f"{digest}  {path.stat().st_size}  {rel.as_posix()}  {stage}")
     return "\n".join(lines) + "\n"
