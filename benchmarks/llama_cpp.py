@@ -69,7 +69,8 @@ PRECISIONS = {"bf16": (precision_args("bfloat16"), {}),
 # the draft GGUF llama.cpp drafts with beside each of those (the type of specserve's drafter)
 DRAFT_OUTTYPE = {"q4_1 (as shipped)": "q8_0", "q8_0": "q8_0", "bf16": "bf16"}
 # a bundled drafter's speculative_config where its catalogue suffix is not its method name
-BUNDLED_SPECS = {"pard": {"method": "draft_model", "parallel_drafting": True}}
+BUNDLED_SPECS = {"pard": {"method": "draft_model", "parallel_drafting": True},
+                 "peagle": {"method": "eagle3", "parallel_drafting": True}}
 HEAD_K = {"mtp": 1, "pard": 4}
 GGUF_PRECISIONS = {"q4_1 (as shipped)": (precision_args("q4_1"), {"quantization": "q8_0"}),
                    "q8_0": (precision_args("q8_0"), {"quantization": "q8_0"}),

@@ -22,6 +22,7 @@ from specserve.config import (
 from specserve.methods import head_methods
 from specserve.methods.dflash import DEFAULT_BLOCK_SIZE as DFLASH_BLOCK_SIZE
 from specserve.methods.dflash import DEFAULT_NUM_LAYERS as DFLASH_NUM_LAYERS
+from specserve.methods.mlp_speculator import INNER_DIM
 
 
 def _arg_type(f: dataclasses.Field):
@@ -199,14 +200,19 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _head_options(args: argparse.Namespace) -> dict:
-    """The method's own shape settings (dflash: --block-size, --layers; eagle3: --parallel)."""
+    """The method's own shape settings (dflash: --block-size, --layers; eagle3: --parallel;
+    mlp_speculator: --inner-dim)."""
     if args.parallel and args.kind != "eagle3":
         raise SystemExit("specserve train: --parallel is for eagle3 (a P-EAGLE head); for a "
                          "draft model use `specserve train pard`")
     if args.depth_gamma is not None and not (args.kind == "pard" or args.parallel):
         raise SystemExit("specserve train: --depth-gamma is for pard and eagle3 --parallel")
+    if args.inner_dim is not None and args.kind != "mlp_speculator":
+        raise SystemExit("specserve train: --inner-dim is for mlp_speculator")
     if args.kind == "eagle3" and args.parallel:
         return {"parallel": True, "depth_gamma": args.depth_gamma}
+    if args.kind == "mlp_speculator":
+        return {"inner_dim": args.inner_dim}
     if args.kind != "dflash":
         if args.block_size or args.layers:
             raise SystemExit("specserve train: --block-size and --layers are for dflash")
@@ -335,6 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DFLASH_BLOCK_SIZE}; K defaults to one less)")
     t.add_argument("--layers", type=int, default=None,
                    help=f"dflash: drafter layers (default {DFLASH_NUM_LAYERS})")
+    t.add_argument("--inner-dim", type=int, default=None,
+                   help=f"mlp_speculator: width of its state (default {INNER_DIM}); its "
+                        "embedding and head are vocabulary x INNER_DIM each")
     t.add_argument("--vocab-size", type=int, default=8192, help="lm: BPE vocabulary size")
     add_dataclass_args(t, TrainConfig, skip=("work_dir",))
     add_dataclass_args(t, ModelShape)

@@ -48,6 +48,15 @@ def test_method_at_dir_compares_two_heads():
         configs(_args("--methods", "ngram@x"))
 
 
+def test_a_catalogue_targets_drafters_keep_their_method_names():
+    """The zoo's heads sit beside their target directory with hyphens; the drafters bundled
+    for a catalogue name carry the method's own name (smollm2-135m-instruct-mlp_speculator)."""
+    got = configs(_args("--target", "smollm2-135m-instruct", "--methods", "mlp_speculator"))
+    assert got["mlp_speculator"][1]["model"] == "smollm2-135m-instruct-mlp_speculator"
+    zoo = configs(_args("--methods", "mlp_speculator"))
+    assert zoo["mlp_speculator"][1]["model"] == "models/code-target-mlp-speculator"
+
+
 def test_method_plus_tree_drafts_the_token_tree():
     tree = "[(0,), (1,), (0, 0)]"
     got = configs(_args("--methods", "eagle3,eagle3+tree,mtp+tree@old/mtp", "--token-tree", tree))

@@ -74,10 +74,12 @@ class MLPSpeculator(nn.Module):
 
 
 def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
-             token_counts=None) -> MLPSpeculator:
-    """Stages that share embedding and head (IBM's tie_weights)."""
+             token_counts=None, inner_dim: int | None = None) -> MLPSpeculator:
+    """Stages that share embedding and head (IBM's tie_weights); `inner_dim` sets the size (its
+    two vocabulary matrices hold 2 x vocab x inner_dim parameters)."""
     a = target.args
-    return MLPSpeculator(a.hidden_size, INNER_DIM, a.vocab_size, k, tie_weights=True)
+    return MLPSpeculator(a.hidden_size, inner_dim or INNER_DIM, a.vocab_size, k,
+                         tie_weights=True)
 
 
 def read(path: str | Path, target: nn.Module) -> MLPSpeculator:

@@ -304,11 +304,13 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
         extra = {"parallel_drafting": True} if parallel else None
         results[m] = evaluate_tau(target_dir, out, m, k, extra=extra, chat=chat)
         if chat:        # tau per K, greedy and sampled, on the held-out chat prompts
-            results[m]["tau_per_k"] = {
-                f"temperature {t}": {kk: round(evaluate_tau(target_dir, out, m, kk, 16, 128,
-                                                            extra, True, t)["tau"], 3)
-                                     for kk in range(1, k + 1)}
-                for t in (0.0, 0.7)}
+            # a P-EAGLE head chains too (its copy 0 drafts the next token as EAGLE-3's does):
+            # "tau_per_k" is the chain, "tau_per_k_parallel" one pass, as for a PARD draft
+            modes = {"tau_per_k": None} | ({"tau_per_k_parallel": extra} if parallel else {})
+            for key, ex in modes.items():
+                results[m][key] = {f"temperature {t}": {
+                    kk: round(evaluate_tau(target_dir, out, m, kk, 16, 128, ex, True, t)["tau"],
+                              3) for kk in range(1, k + 1)} for t in (0.0, 0.7)}
         (out / "quality.json").write_text(json.dumps({"method": m, "k": k, **results[m],
                                                       "train_steps": cfg.steps}, indent=2) + "\n")
     return results

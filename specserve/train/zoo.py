@@ -401,9 +401,16 @@ MANIFEST_STAGES = {
     "code-target-medusa": "medusa head: HEAD_RECIPES, retarget",
     "code-target-mlp-speculator": "mlp_speculator head: HEAD_RECIPES, retarget",
     "code-target-mtp": "mtp layer: HEAD_RECIPES, retarget (weight shards link to code-target)",
-    "smollm2-135m-instruct-eagle3": "eagle3 head for SmolLM2-135M-Instruct: specserve train "
-                                    "chat-data, then train eagle3 --hidden-states "
-                                    "(benchmarks/README.md)",
+    "smollm2-135m-instruct-peagle": "P-EAGLE head for SmolLM2-135M-Instruct (it chains as "
+                                    "an EAGLE-3 head too: smollm2-135m-instruct-eagle3 is a "
+                                    "link): specserve train chat-data, train eagle3 "
+                                    "--hidden-states, then train eagle3 --parallel "
+                                    "--hidden-states --init (benchmarks/README.md)",
+    "smollm2-135m-instruct-mlp_speculator": "mlp_speculator for SmolLM2-135M-Instruct (its "
+                                            "state 11 wide, stages tied): specserve train "
+                                            "chat-data, then train mlp_speculator "
+                                            "--hidden-states --inner-dim 11 "
+                                            "(benchmarks/README.md)",
     "smollm2-135m-instruct-mtp": "mtp layer for the frozen SmolLM2-135M-Instruct (its "
                                  "embedding and lm_head shared): specserve train chat-data, "
                                  "then train mtp --hidden-states (benchmarks/README.md)",

@@ -69,13 +69,17 @@ def test_the_eagle_medusa_and_dflash_drafters_load_by_name_and_are_lossless(smol
     assert quality["method"] == method and quality["tau"] > tau
 
 
-@pytest.mark.parametrize("name, extra, k, tau", [
-    ("draft_model", {}, 3, 1.1), ("pard", {"parallel_drafting": True}, 4, 1.1)])
-def test_the_draft_model_drafts_chained_and_in_one_pass_by_name_losslessly(smollm2, name, extra,
-                                                                           k, tau):
+@pytest.mark.parametrize("name, method, extra, k, tau", [
+    ("draft_model", "draft_model", {}, 3, 1.1),
+    ("pard", "draft_model", {"parallel_drafting": True}, 4, 1.1),
+    ("peagle", "eagle3", {"parallel_drafting": True}, 4, 1.2),
+    ("mlp_speculator", "mlp_speculator", {}, 3, 1.05)])
+def test_the_drafters_that_draft_in_one_pass_or_from_a_small_state_are_lossless(
+        smollm2, name, method, extra, k, tau):
     """SmolLM2's draft model (its tokenizer, trained here on its answers, then for PARD) by
-    catalogue name: one token a pass as `-draft_model`, K in one pass as `-pard`, lossless
-    beside the GGUF."""
+    catalogue name: one token a pass as `-draft_model`, K in one pass as `-pard`; the P-EAGLE
+    head (`-peagle`, K in one pass of the EAGLE-3 head); the MLP speculator (its state 11 wide
+    to fit the drafters' 60 MB): lossless beside the GGUF."""
     full = f"smollm2-135m-instruct-{name}"
     assert full in bundled_drafters("smollm2-135m-instruct")
     conversations = [[{"role": "user", "content": p}] for p in chat_prompts("heldout")[10:13]]
@@ -83,7 +87,7 @@ def test_the_draft_model_drafts_chained_and_in_one_pass_by_name_losslessly(smoll
     ref = LLM("smollm2-135m-instruct", **kw).chat(conversations, GREEDY, use_tqdm=False)
     llm = LLM("smollm2-135m-instruct", speculative_config={
         "model": full, "num_speculative_tokens": k, **extra}, **kw)
-    assert llm.engine.spec.method == "draft_model"
+    assert llm.engine.spec.method == method
     out = llm.chat(conversations, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
     assert llm.get_stats()["mean_acceptance_length"] > tau

@@ -392,6 +392,45 @@ def test_train_eagle3_from_hidden_states(tiny_lm, tmp_path):
                    hidden_states=tmp_path / "empty")
 
 
+def test_a_peagle_head_reports_its_chain_and_its_one_pass(tiny_lm, tmp_path):
+    """A P-EAGLE head trained on extracted states drafts as a chain too (its first copy is the
+    chain's first step): its chat quality holds tau per K for both ways, greedy and sampled."""
+    from specserve.train.heads import train_head
+    target_dir, _, _ = tiny_lm
+    _extract(target_dir, tmp_path / "states")
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=3, batch_size=2, seq_len=24,
+                      lr=3e-3, warmup=1, eval_every=3, bf16=False, device=DEVICE)
+    train_head("eagle3", cfg, target_dir, tmp_path / "pe", k=2, hidden_states=tmp_path / "states",
+               head_options={"parallel": True}, chat=True)
+    quality = json.loads((tmp_path / "pe" / "quality.json").read_text())
+    for key in ("tau_per_k", "tau_per_k_parallel"):
+        assert set(quality[key]) == {"temperature 0.0", "temperature 0.7"}
+        assert all(set(per_k) == {"1", "2"} and all(1 <= t <= 3 for t in per_k.values())
+                   for per_k in quality[key].values())
+    assert quality["tau_per_k"]["temperature 0.0"]["1"] == \
+        quality["tau_per_k_parallel"]["temperature 0.0"]["1"]      # K=1: the same draft
+
+
+def test_an_mlp_speculator_takes_its_inner_dim(tiny_lm, tmp_path):
+    """--inner-dim sizes the speculator's state (its two vocabulary matrices dominate its
+    bytes); the option is the MLP speculator's alone."""
+    from specserve.cli import main
+    from specserve.train.heads import train_head
+    target_dir, _, _ = tiny_lm
+    _extract(target_dir, tmp_path / "states")
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=2, batch_size=2, seq_len=24,
+                      warmup=1, bf16=False, device=DEVICE)
+    train_head("mlp_speculator", cfg, target_dir, tmp_path / "mlp", k=2,
+               hidden_states=tmp_path / "states", head_options={"inner_dim": 8})
+    written = json.loads((tmp_path / "mlp" / "config.json").read_text())
+    assert (written["inner_dim"], written["tie_weights"]) == (8, True)
+    weights = load_file(str(tmp_path / "mlp" / "model.safetensors"))
+    assert weights["head.0.weight"].shape[1] == 8 and "head.1.weight" not in weights
+    with pytest.raises(SystemExit, match="--inner-dim is for mlp_speculator"):
+        main(["train", "eagle3", "--target", str(target_dir), "--out", str(tmp_path / "x"),
+              "--inner-dim", "8"])
+
+
 def test_hidden_state_files_are_bounded_and_need_a_directory(tiny_lm, tmp_path):
     target_dir, _, _ = tiny_lm
     llm = LLM(str(target_dir), device=DEVICE, speculative_config={

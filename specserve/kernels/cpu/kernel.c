@@ -951,58 +951,83 @@ static const vmask TREE_LO[3] = {
 static const vmask TREE_HI[3] = {
     {4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 6, 7, 10, 11, 14, 15}, {1, 3, 5, 7, 9, 11, 13, 15}};
 #endif
-static inline __attribute__((always_inline)) void scores_block(const float *q, const void *keys,
-                                                               int64_t n, int64_t D, int bf16,
-                                                               float scale, float *out) {
-    int64_t at[VL];
-    vf r[VL];
+/* NQ queries q[0..NQ) (one head's rows) over one block: each key's slices are loaded (and
+ * widened) once for all of them; query a's products with key i sum chunk by chunk into one
+ * vector r[a][i], whose lanes the tree then adds up, so every score is what the query alone
+ * would get. out[a][i] = scale * q[a] . key i for i < n[a]. */
+static inline __attribute__((always_inline)) void scores_block(const float *const *q, int NQ,
+                                                               const void *keys, int64_t nmax,
+                                                               const int64_t *n, int64_t D,
+                                                               int bf16, float scale,
+                                                               float *const *out) {
+    vf r[8][VL];
     for (int i = 0; i < VL; i++) {
-        at[i] = (i < n ? i : 0) * D;
-        r[i] = (vf){0};
+        const int64_t at = (i < nmax ? i : 0) * D;   /* a missing key reads key 0, dropped */
+        vf k[1024 / VL];
+        for (int64_t c = 0; c < D; c += VL) k[c / VL] = load_kv(keys, at + c, bf16);
+        for (int a = 0; a < NQ; a++) {
+            vf acc = loadv(q[a]) * k[0];
+            for (int64_t c = VL; c < D; c += VL) acc += loadv(q[a] + c) * k[c / VL];
+            r[a][i] = acc;
+        }
     }
-    for (int64_t c = 0; c < D; c += VL) {
-        const vf qc = loadv(q + c);
-        for (int i = 0; i < VL; i++) r[i] += qc * load_kv(keys, at[i] + c, bf16);
+    for (int a = 0; a < NQ; a++) {
+        for (int s = 0, m = VL / 2; m >= 1; s++, m /= 2)
+            for (int i = 0; i < m; i++)
+                r[a][i] = __builtin_shuffle(r[a][2 * i], r[a][2 * i + 1], TREE_LO[s])
+                          + __builtin_shuffle(r[a][2 * i], r[a][2 * i + 1], TREE_HI[s]);
+        float buf[VL];
+        storev(buf, r[a][0] * scale);                                   /* key i in lane i */
+        memcpy(out[a], buf, n[a] * sizeof(float));
     }
-    for (int s = 0, m = VL / 2; m >= 1; s++, m /= 2)
-        for (int i = 0; i < m; i++)
-            r[i] = __builtin_shuffle(r[2 * i], r[2 * i + 1], TREE_LO[s])
-                   + __builtin_shuffle(r[2 * i], r[2 * i + 1], TREE_HI[s]);
-    float buf[VL];
-    storev(buf, r[0] * scale);                                          /* key i in lane i */
-    memcpy(out, buf, n * sizeof(float));
 }
 #else
 #define SCORES_TREE 0
 #endif
 
-/* out[i] = scale * q . k[i] for n <= 16 keys k[i] at element i * D of keys */
-static void scores(const float *q, const void *keys, int64_t n, int64_t D, int bf16,
-                   float scale, float *out) {
+/* out[a][i] = scale * q[a] . k[i] for nq queries q[a] (nq <= 8) and the first n[a] <= 16 of
+ * the nmax = max n[a] keys k[i] at element i * D of keys */
+static void scores(const float *const *q, int64_t nq, const void *keys, int64_t nmax,
+                   const int64_t *n, int64_t D, int bf16, float scale, float *const *out) {
 #if SCORES_TREE
-    if (D % VL == 0) {      /* the branch on bf16 outside the loop: its products fuse */
-        for (int64_t i = 0; i < n; i += VL) {
-            const int64_t m = n - i < VL ? n - i : VL;
-            if (bf16)
-                scores_block(q, (const uint16_t *)keys + i * D, m, D, 1, scale, out + i);
-            else
-                scores_block(q, (const float *)keys + i * D, m, D, 0, scale, out + i);
+    if (D % VL == 0 && D <= 1024) {     /* branches on bf16 and nq outside the loop: the
+                                         * products fuse and the query loop unrolls */
+/* the usual head widths as constants: a key's slices then stay in registers */
+#define SB(NQ, BF) case NQ * 2 + BF: { \
+        const char *kb = (const char *)keys + i * D * (BF ? 2 : 4); \
+        if (D == 64) scores_block(q, NQ, kb, m, nn, 64, BF, scale, o); \
+        else if (D == 128) scores_block(q, NQ, kb, m, nn, 128, BF, scale, o); \
+        else scores_block(q, NQ, kb, m, nn, D, BF, scale, o); \
+        break; }
+#define SB2(NQ) SB(NQ, 0) SB(NQ, 1)
+        for (int64_t i = 0; i < nmax; i += VL) {
+            const int64_t m = nmax - i < VL ? nmax - i : VL;
+            int64_t nn[8];
+            float *o[8];
+            for (int64_t a = 0; a < nq; a++) {
+                nn[a] = n[a] - i < 0 ? 0 : n[a] - i < VL ? n[a] - i : VL;
+                o[a] = out[a] + i;
+            }
+            switch (nq * 2 + bf16) { SB2(1) SB2(2) SB2(3) SB2(4) SB2(5) SB2(6) SB2(7) SB2(8) }
         }
         return;
+#undef SB2
+#undef SB
     }
 #endif
-    for (int64_t i = 0; i < n; i++) {
-        if (!bf16) {
-            out[i] = dot(q, (const float *)keys + i * D, D) * scale;
-            continue;
+    for (int64_t a = 0; a < nq; a++)
+        for (int64_t i = 0; i < n[a]; i++) {
+            if (!bf16) {
+                out[a][i] = dot(q[a], (const float *)keys + i * D, D) * scale;
+                continue;
+            }
+            vf acc = {0};       /* bfloat16 keys: dot()'s order with one accumulator */
+            int64_t c = 0;
+            for (; c + VL <= D; c += VL) acc += loadv(q[a] + c) * load_kv(keys, i * D + c, 1);
+            float r = hsum(acc);
+            for (; c < D; c++) r += q[a][c] * kv_at(keys, i * D + c, 1);
+            out[a][i] = r * scale;
         }
-        vf acc = {0};           /* bfloat16 keys: dot()'s order with one accumulator */
-        int64_t c = 0;
-        for (; c + VL <= D; c += VL) acc += loadv(q + c) * load_kv(keys, i * D + c, 1);
-        float r = hsum(acc);
-        for (; c < D; c++) r += q[c] * kv_at(keys, i * D + c, 1);
-        out[i] = r * scale;
-    }
 }
 
 /* A layer's weights, in the order binding.py passes them (NULL where a layer has none). */
@@ -1088,7 +1113,8 @@ static int attention_half(const Shape *s, int64_t T, const float *x, const float
         store_kv(k_cache, v_cache, slots[t], positions[t], NKV, s->max_len, D, k, v, bf16);
     }
     /* Attention, one work item per (run of rows of one request, KV head): the item's queries
-     * (its rows times the query heads sharing the KV head) read each block of 16 keys once. */
+     * (its rows times the query heads sharing the KV head) read each block of 16 keys once,
+     * up to 8 queries from one load of it (`scores`). */
     int64_t *lens = run + T + 1;                        /* keys row t may see */
     for (int64_t t = 0; t < T; t++) lens[t] = mask ? mask_stride : positions[t] + 1;
     for (int64_t t = 0; !failed && t < T; t++)
@@ -1110,12 +1136,21 @@ static int attention_half(const Shape *s, int64_t T, const float *x, const float
             continue;
         }
         float *inv = p + nq * Lmax;
+        /* a block of 16 keys at a time for up to 8 queries at a time */
         for (int64_t j0 = 0; j0 < Lmax; j0 += 16)
-            for (int64_t t = t0; t < t1; t++) {
-                const int64_t L = lens[t], n = L - j0 < 16 ? L - j0 : 16;
-                for (int64_t a = 0; n > 0 && a < group; a++)
-                    scores(wide + t * QKV + (g * group + a) * D, kc + j0 * D * esize, n, D,
-                           bf16, s->scale, p + ((t - t0) * group + a) * Lmax + j0);
+            for (int64_t r0 = 0; r0 < nq; r0 += 8) {
+                const int64_t nr = nq - r0 < 8 ? nq - r0 : 8;
+                const float *qs[8];
+                float *outs[8];
+                int64_t n[8], nmax = 0;
+                for (int64_t a = 0; a < nr; a++) {
+                    const int64_t t = t0 + (r0 + a) / group, L = lens[t];
+                    n[a] = L - j0 <= 0 ? 0 : L - j0 < 16 ? L - j0 : 16;
+                    nmax = n[a] > nmax ? n[a] : nmax;
+                    qs[a] = wide + t * QKV + (g * group + (r0 + a) % group) * D;
+                    outs[a] = p + (r0 + a) * Lmax + j0;
+                }
+                if (nmax > 0) scores(qs, nr, kc + j0 * D * esize, nmax, n, D, bf16, s->scale, outs);
             }
         for (int64_t r = 0; r < nq; r++) {
             const int64_t t = t0 + r / group;
