@@ -951,7 +951,7 @@ static const vmask TREE_LO[3] = {
 static const vmask TREE_HI[3] = {
     {4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 6, 7, 10, 11, 14, 15}, {1, 3, 5, 7, 9, 11, 13, 15}};
 #endif
-/* NQ queries q[0..NQ) (one head's rows) over one block: each key's slices are loaded (and
+/* NQ queries q[0..NQ) of one KV head over one block: each key's slices are loaded (and
  * widened) once for all of them; query a's products with key i sum chunk by chunk into one
  * vector r[a][i], whose lanes the tree then adds up, so every score is what the query alone
  * would get. out[a][i] = scale * q[a] . key i for i < n[a]. */
