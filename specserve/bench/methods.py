@@ -10,6 +10,13 @@ from pathlib import Path
 from specserve import methods
 from specserve.bench import random_models
 from specserve.data.zoo import head_dir
+from specserve.models.catalogue import CATALOGUE
+
+
+def drafter_dir(target: str, method: str) -> str:
+    """`method`'s drafter for `target`: bundled under the method's own name for a catalogue
+    target (smollm2-135m-instruct-mlp_speculator), else the zoo's head beside it."""
+    return f"{target}-{method}" if target in CATALOGUE else head_dir(target, method)
 
 
 def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict]:
@@ -25,9 +32,9 @@ def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict
     if m.model_is_target and Path(target).is_dir():   # the zoo's target with its head in it
         return head_dir(target, m.name), spec
     if m.model_is_target:                       # a layer written beside a GGUF target
-        return target, spec | {"model": head_dir(target, m.name)}
+        return target, spec | {"model": drafter_dir(target, m.name)}
     if m.reads_hidden_states:                   # the zoo's head for the target
-        return target, spec | {"model": head_dir(target, m.name)}
+        return target, spec | {"model": drafter_dir(target, m.name)}
     if m.needs_model:
         return target, spec | {"model": draft}
     return target, spec
@@ -133,7 +140,8 @@ def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
         if path and not (uses.needs_model or uses.reads_hidden_states):
             raise SystemExit(f"{m} drafts without a model; drop '@{path}'")
         if "parallel" in suffixes and not path:     # the zoo's parallel draft or head
-            path = f"{a.draft}-pard" if m == "draft_model" else f"{head_dir(a.target, m)}-parallel"
+            path = (f"{a.draft}-pard" if m == "draft_model"
+                    else f"{drafter_dir(a.target, m)}-parallel")
         if path:
             model, spec = (path, spec) if uses.model_is_target else (model, spec | {"model": path})
         needed = Path(spec.get("model", model))
