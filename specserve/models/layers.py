@@ -68,7 +68,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:                 # one fused kernel
+        # One fused kernel, in float32 inside on CUDA; the unfused bfloat16 path below is seven
+        # kernels, which on a GPU cost more than the layer's products at batch 1.
+        if x.dtype == torch.float32 or x.is_cuda:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 like the reference implementation, then cast back.
         xf = x.float()
@@ -258,11 +260,31 @@ class Attention(nn.Module):
             qp = q.new_zeros(B * Q, self.num_heads, self.head_dim)
             qp[md.pad_index] = q
             qp = qp.view(B, Q, self.num_heads, self.head_dim)
-        o = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=md.attn_mask(), scale=self.scale,
-            enable_gqa=True)                                     # [B, H, Q, D]
-        o = o.transpose(1, 2).reshape(B * Q, self.q_size)
+        mask = md.attn_mask()
+        if q.is_cuda and mask is not None:
+            o = grouped_attention(qp, keys, values, mask, self.scale)      # [B, Q, H, D]
+        else:
+            o = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale,
+                enable_gqa=True).transpose(1, 2)                           # [B, Q, H, D]
+        o = o.reshape(B * Q, self.q_size)
         return o if md.pad_index is None else o[md.pad_index]    # [T, H * D]
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Masked GQA attention as one fused kernel: each KV head's group of query heads becomes
+    rows of one query head. (CUDA's fused kernels that take a mask do not take `enable_gqa`;
+    its fallback copies the keys and values out per query head in ~10 kernels a layer.)
+    q: [B, Q, H, D]; k, v: [B, Hkv, L, D]; mask: [B, 1, Q, L] bool. Returns [B, Q, H, D]."""
+    B, Q, H, D = q.shape
+    Hkv = k.shape[1]
+    group = H // Hkv
+    # row j * Q + i of KV head h: query i of head h * group + j
+    qg = q.transpose(1, 2).reshape(B, Hkv, group * Q, D)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask.repeat(1, 1, group, 1),
+                                       scale=scale)                # [B, Hkv, group * Q, D]
+    return o.unflatten(2, (group, Q)).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
 
 
 class MLP(nn.Module):

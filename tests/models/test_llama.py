@@ -114,3 +114,22 @@ def test_engine_model_uses_packed_weights_and_matches_transformers(hf_model):
     tok = out.token_ids[0]
     ref = torch.log_softmax(ref_logits(hf, ids)[-1], -1)[tok].item()
     assert abs(out.logprobs[0][tok] - ref) < 1e-4
+
+
+def test_grouped_attention_equals_gqa_attention():
+    """The CUDA path's masked GQA (a group's query heads as rows of one head) attends exactly
+    as SDPA's enable_gqa does, causal verify rows and padded decode masks alike."""
+    import torch.nn.functional as F
+
+    from specserve.models.layers import grouped_attention
+    g = torch.Generator().manual_seed(0)
+    for H, Hkv, Q in ((8, 2, 1), (8, 2, 5), (6, 3, 3), (4, 4, 2)):
+        q = torch.randn(2, Q, H, 16, generator=g)                          # [B, Q, H, D]
+        k, v = torch.randn(2, 2, Hkv, 24, 16, generator=g).unbind(0)       # [B, Hkv, L, D]
+        pos = torch.tensor([[7 + i for i in range(Q)], [20 - Q + i for i in range(Q)]])
+        mask = (torch.arange(24)[None, None, :] <= pos[:, :, None]).unsqueeze(1)  # [B,1,Q,L]
+        ref = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                             scale=0.25, enable_gqa=True).transpose(1, 2)
+        out = grouped_attention(q, k, v, mask, 0.25)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
