@@ -15,12 +15,11 @@ import importlib.util
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from specserve.bench.gpu import TOKENIZER
+from specserve.bench.gpu import TOKENIZER, target_step_ms
 from specserve.bench.random_models import materialize
 from specserve.llm import LLM
 from specserve.models import layers
@@ -41,19 +40,6 @@ def versions(before_path: str) -> dict[str, dict]:
 def use(version: dict) -> None:
     for (c, f), fn in version.items():
         setattr(getattr(layers, c), f, fn)
-
-
-@torch.inference_mode()
-def replay_ms(llm: LLM, batch: int, rows: int, repeats: int = 30) -> float:
-    graphs = llm.engine.runner.graphs
-    slots, times = list(range(batch)), []
-    for _ in range(repeats + 1):                         # the first captures the graph
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        graphs.run([11] * rows * batch, [100] * batch, [rows] * batch, slots)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:]) * 1e3
 
 
 @torch.inference_mode()
@@ -94,12 +80,8 @@ def main() -> None:
             graphs.graphs.clear()                        # a new pool (a freed graph's pool
             graphs.pool = torch.cuda.graph_pool_handle()  # cannot take new captures)
             for b, r in cases:
-                times[name][f"b{b}r{r}"].append(replay_ms(llm, b, r))
-            try:
-                counts[name] = kernels(llm)
-            except (RuntimeError, AttributeError) as e:  # the timings matter more
-                print(f"kernel count failed: {e!r}", flush=True)
-                counts[name] = (-1, -1.0)
+                times[name][f"b{b}r{r}"].append(target_step_ms(llm, b, r, repeats=30))
+            counts[name] = kernels(llm)
     result = {"device": torch.cuda.get_device_name(), "target": a.target,
               "torch": torch.__version__, "rounds": a.rounds,
               "replay_ms_median": {v: {c: round(statistics.median(t), 3) for c, t in d.items()}

@@ -93,7 +93,7 @@ def specserve_rows(name: str, target: str, spec: dict | None, method: str, a) ->
         rows.append(_row(name, "specserve", method, spec and spec["num_speculative_tokens"],
                          batch, a.dtype, rates, tau, floor))
         if spec is None:
-            rows[-1]["target_step_ms"] = round(_target_step_ms(llm, batch), 3)
+            rows[-1]["target_step_ms"] = round(target_step_ms(llm, batch), 3)
         if a.profile and batch == 1:
             _profile(llm, prompts, params, Path(a.out) / f"profile-{method}.txt")
         print(f"  {rows[-1]}", flush=True)
@@ -102,20 +102,21 @@ def specserve_rows(name: str, target: str, spec: dict | None, method: str, a) ->
     return rows
 
 
-def _target_step_ms(llm: LLM, batch: int, repeats: int = 20) -> float:
-    """One decode step of the target alone for `batch` requests at position 100 (or the
-    cache's last): its CUDA graph's replay, inputs and outputs included, where the engine has
-    graphs, else the eager step. What the engine's step costs beyond it is its own work."""
+def target_step_ms(llm: LLM, batch: int, rows: int = 1, repeats: int = 20) -> float:
+    """One step of the target alone for `batch` requests of `rows` new tokens each at position
+    100 (or the cache's last): its CUDA graph's replay, inputs and outputs included, where the
+    engine has graphs, else the eager step. What the engine's step costs beyond it is its own
+    work."""
     runner = llm.engine.runner
-    pos = min(100, runner.cache.max_len - 2)
+    pos = min(100, runner.cache.max_len - 1 - rows)
     if runner.graphs is None:
-        return step_ms(llm, 1, pos, repeats, batch)
+        return step_ms(llm, rows, pos, repeats, batch)
     dev, slots, times = torch.device(llm.engine.device), list(range(batch)), []
     with torch.inference_mode():
         for _ in range(repeats + 1):                      # the first run warms up
             _sync(dev)
             t = time.perf_counter()
-            runner.graphs.run([11] * batch, [pos] * batch, [1] * batch, slots)
+            runner.graphs.run([11] * rows * batch, [pos] * batch, [rows] * batch, slots)
             _sync(dev)
             times.append(time.perf_counter() - t)
     return statistics.median(times[1:]) * 1e3
