@@ -951,33 +951,41 @@ static const vmask TREE_LO[3] = {
 static const vmask TREE_HI[3] = {
     {4, 5, 6, 7, 12, 13, 14, 15}, {2, 3, 6, 7, 10, 11, 14, 15}, {1, 3, 5, 7, 9, 11, 13, 15}};
 #endif
+/* Vectors a (earlier) and b of tree level s added into one of level s + 1 */
+static inline __attribute__((always_inline)) vf tree_pair(vf a, vf b, int s) {
+    return __builtin_shuffle(a, b, TREE_LO[s]) + __builtin_shuffle(a, b, TREE_HI[s]);
+}
+
 /* NQ queries q[0..NQ) of one KV head over one block: each key's slices are loaded (and
  * widened) once for all of them; query a's products with key i sum chunk by chunk into one
- * vector r[a][i], whose lanes the tree then adds up, so every score is what the query alone
- * would get. out[a][i] = scale * q[a] . key i for i < n[a]. */
+ * vector, whose lanes the tree then adds up, so every score is what the query alone would get.
+ * The tree is added as keys arrive (key i's vector pairs with the one waiting at each level
+ * while i's low bits are 1): a query keeps one vector per level, not one per key, which stay
+ * in registers. out[a][i] = scale * q[a] . key i for i < n[a]. */
 static inline __attribute__((always_inline)) void scores_block(const float *const *q, int NQ,
                                                                const void *keys, int64_t nmax,
                                                                const int64_t *n, int64_t D,
                                                                int bf16, float scale,
                                                                float *const *out) {
-    vf r[8][VL];
+    enum { LEVELS = VL == 16 ? 4 : 3 };
+    vf wait[8][LEVELS + 1];                    /* wait[a][s]: query a's level-s vector */
+#pragma GCC unroll 16
     for (int i = 0; i < VL; i++) {
         const int64_t at = (i < nmax ? i : 0) * D;   /* a missing key reads key 0, dropped */
         vf k[1024 / VL];
         for (int64_t c = 0; c < D; c += VL) k[c / VL] = load_kv(keys, at + c, bf16);
         for (int a = 0; a < NQ; a++) {
-            vf acc = loadv(q[a]) * k[0];
-            for (int64_t c = VL; c < D; c += VL) acc += loadv(q[a] + c) * k[c / VL];
-            r[a][i] = acc;
+            vf v = loadv(q[a]) * k[0];
+            for (int64_t c = VL; c < D; c += VL) v += loadv(q[a] + c) * k[c / VL];
+            int s = 0;
+#pragma GCC unroll 4
+            for (int b = i; b & 1; b >>= 1, s++) v = tree_pair(wait[a][s], v, s);
+            wait[a][s] = v;
         }
     }
     for (int a = 0; a < NQ; a++) {
-        for (int s = 0, m = VL / 2; m >= 1; s++, m /= 2)
-            for (int i = 0; i < m; i++)
-                r[a][i] = __builtin_shuffle(r[a][2 * i], r[a][2 * i + 1], TREE_LO[s])
-                          + __builtin_shuffle(r[a][2 * i], r[a][2 * i + 1], TREE_HI[s]);
         float buf[VL];
-        storev(buf, r[a][0] * scale);                                   /* key i in lane i */
+        storev(buf, wait[a][LEVELS] * scale);                           /* key i in lane i */
         memcpy(out[a], buf, n[a] * sizeof(float));
     }
 }
@@ -1130,36 +1138,45 @@ static int attention_half(const Shape *s, int64_t T, const float *x, const float
         const char *vc = (const char *)v_cache + base * esize;
         const int64_t nq = (t1 - t0) * group;           /* query r: head a = r % group of */
         float *p = malloc(sizeof(float) * nq * (Lmax + 1));   /* row t0 + r / group */
-        if (!p) {
+        const float **qv = malloc(sizeof(float *) * nq);
+        int64_t *qlen = malloc(sizeof(int64_t) * nq);
+        if (!p || !qv || !qlen) {
+            free(p); free(qv); free(qlen);
             #pragma omp atomic write
             failed = 1;
             continue;
         }
         float *inv = p + nq * Lmax;
+        /* each query's vector and key count, found once: a division per query and block of
+         * keys cost as much as the block's products */
+        for (int64_t r = 0; r < nq; r++) {
+            const int64_t t = t0 + r / group;
+            qv[r] = wide + t * QKV + (g * group + r % group) * D;
+            qlen[r] = lens[t];
+        }
         /* a block of 16 keys at a time for up to 8 queries at a time */
         for (int64_t j0 = 0; j0 < Lmax; j0 += 16)
             for (int64_t r0 = 0; r0 < nq; r0 += 8) {
                 const int64_t nr = nq - r0 < 8 ? nq - r0 : 8;
-                const float *qs[8];
                 float *outs[8];
                 int64_t n[8], nmax = 0;
                 for (int64_t a = 0; a < nr; a++) {
-                    const int64_t t = t0 + (r0 + a) / group, L = lens[t];
+                    const int64_t L = qlen[r0 + a];
                     n[a] = L - j0 <= 0 ? 0 : L - j0 < 16 ? L - j0 : 16;
                     nmax = n[a] > nmax ? n[a] : nmax;
-                    qs[a] = wide + t * QKV + (g * group + (r0 + a) % group) * D;
                     outs[a] = p + (r0 + a) * Lmax + j0;
                 }
-                if (nmax > 0) scores(qs, nr, kc + j0 * D * esize, nmax, n, D, bf16, s->scale, outs);
+                if (nmax > 0)
+                    scores(qv + r0, nr, kc + j0 * D * esize, nmax, n, D, bf16, s->scale, outs);
             }
         for (int64_t r = 0; r < nq; r++) {
             const int64_t t = t0 + r / group;
-            inv[r] = 1.f / softmax_weights(p + r * Lmax, lens[t],
+            inv[r] = 1.f / softmax_weights(p + r * Lmax, qlen[r],
                                            mask ? mask + t * mask_stride : NULL);
         }
         weighted_sums(p, Lmax, nq, group, lens + t0, vc, D, bf16, inv,
                       attn + t0 * NH * D + g * group * D, NH * D);
-        free(p);
+        free(p); free(qv); free(qlen);
     }
     failed = failed || specserve_linear(attn, T, w[O_W], mode, NULL, H, NH * D, out, H,
                                         accumulate, nthreads);
