@@ -86,10 +86,13 @@ def _uses_kernel(model) -> bool:
                for layer in model.layers)
 
 
-def _stepper(path, slots: int = 4, kv_dtype: torch.dtype = torch.float32):
-    model = use_decode_linears(load_model(path, torch.float32, torch.device("cpu")))
+def _stepper(path, slots: int = 4, kv_dtype: torch.dtype = torch.float32, max_len: int = 64,
+             kernel: bool = True):
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    if kernel:
+        model = use_decode_linears(model)
     a = model.args
-    cache = KVCache(a.num_hidden_layers, slots, a.num_key_value_heads, 64, a.head_dim,
+    cache = KVCache(a.num_hidden_layers, slots, a.num_key_value_heads, max_len, a.head_dim,
                     kv_dtype, torch.device("cpu"))
     return model, cache
 
@@ -149,6 +152,59 @@ def test_a_five_row_verify_equals_five_decodes_bit_for_bit(shape, kv_dtype, tmp_
     (h5, kv5), (h1, kv1) = outs
     assert torch.equal(h5, h1)
     assert all(torch.equal(a, b) for a, b in zip(kv5, kv1))
+
+
+LONG = {"head_dim": 64, "hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1,
+        "max_position_embeddings": 1024}
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_long_context_rows_are_exact_and_batch_invariant(kv_dtype, tmp_path):
+    """A 5-row verify whose rows see 510-514 keys (32 blocks of 16 and more) equals the same
+    tokens decoded one at a time bit for bit, and, in float32, follows transformers' logits;
+    the 509-row prompt before it as well."""
+    from tests.conftest import make_hf_model
+    from tests.models.test_llama import TOL, ref_logits
+    hf = make_hf_model("llama", tmp_path, **LONG)
+    ids = torch.randint(0, 96, (514,), generator=torch.Generator().manual_seed(8)).tolist()
+    prompt, feed = ids[:509], ids[509:]
+    outs = []
+    for one_by_one in (False, True):
+        model, cache = _stepper(tmp_path, kv_dtype=kv_dtype, max_len=520)
+        assert _uses_kernel(model)
+        hp = _step(model, cache, [prompt], [0], [1])
+        if one_by_one:
+            h = torch.cat([_step(model, cache, [[t]], [509 + i], [1]) for i, t in enumerate(feed)])
+        else:
+            h = _step(model, cache, [feed], [509], [1])
+        outs.append((hp, h))
+    (hp5, h5), (hp1, h1) = outs
+    assert torch.equal(h5, h1) and torch.equal(hp5, hp1)
+    if kv_dtype == torch.float32:
+        with torch.inference_mode():
+            logits = model.compute_logits(torch.cat([hp1, h1]))
+        assert (logits - ref_logits(hf, ids)).abs().max() <= TOL
+
+
+def test_a_draft_tree_after_a_long_context_attends_as_the_pytorch_path(tmp_path):
+    """A draft-tree step (its mask: context plus each node's ancestors) after 300 cached
+    positions: the kernel's hidden states match the PyTorch path's."""
+    from specserve.models.metadata import build_tree_metadata, tree_rows
+    from tests.conftest import make_hf_model
+    make_hf_model("llama", tmp_path, **LONG)
+    prompt = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(9)).tolist()
+    parents = [-1, -1, 0, 0, 2]
+    outs = []
+    for kernel in (True, False):
+        model, cache = _stepper(tmp_path, max_len=320, kernel=kernel)
+        assert _uses_kernel(model) == kernel
+        _step(model, cache, [prompt], [0], [0])
+        store, rope, ctx, extra = tree_rows(300, 1, parents, len(parents))
+        md = build_tree_metadata([0], [store], [ctx], [extra], torch.device("cpu"))
+        with torch.inference_mode():
+            outs.append(model(torch.tensor([3, 11, 12, 13, 14, 15]), torch.tensor(rope), md,
+                              cache.layers))
+    assert (outs[0] - outs[1]).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
