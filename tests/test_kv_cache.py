@@ -33,6 +33,25 @@ def test_move_copies_positions_of_one_slot_in_every_layer():
     assert c.nbytes() == 2 * 2 * 2 * 8 * 4 * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cache_holds_memory_only_for_the_positions_written(dtype):
+    """A long-context cache costs what its requests wrote: a few keys in every slot of every
+    layer (a batch of short chats) must not make whole slots resident. NumPy's zeroed arrays,
+    which ask for transparent huge pages, held 2 MiB per first write: 8 slots of SmolLM2's
+    8192 positions, 1.4 GB, after one batch of short chats."""
+    from specserve.bench.probes import resident_bytes
+    if resident_bytes() is None:
+        pytest.skip("no /proc/self/status to read resident memory from")
+    c = KVCache(8, 8, 3, 8192, 64, dtype, torch.device("cpu"))      # 200-400 MB if all touched
+    before = resident_bytes()
+    for k, v in c.layers:
+        k[:, :, :3] = 1.0       # three positions per slot and head: 9 pages of 4 KiB per tensor
+        v[:, :, :3] = 1.0
+    grown = resident_bytes() - before
+    assert c.nbytes() > 200e6 and grown < 8e6, f"{grown / 1e6:.0f} MB resident after 3 positions"
+    assert float(c.layers[0][0][0, 0, 3:].abs().sum()) == 0.0       # unwritten positions read 0
+
+
 @pytest.mark.parametrize("cpu_kernel", [True, False])
 def test_a_bfloat16_kv_cache_takes_half_the_memory_and_speculation_stays_lossless(
         cpu_kernel, llama_dir, draft_dir, tmp_path):
