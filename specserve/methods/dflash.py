@@ -89,6 +89,7 @@ class DFlashDrafter(nn.Module):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(out))                                 # [..., V]
 
+    @torch.no_grad()        # else the copies record autograd history: non-leaf parameters
     def fuse_context_kv(self) -> None:
         """For inference: every layer's k and v rows of qkv_proj stacked into one linear
         (`context_kv`): one product per step instead of one per layer, whose calls cost more

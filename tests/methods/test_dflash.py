@@ -222,3 +222,13 @@ def test_the_checkpoint_is_the_z_lab_layout(llama_dir, dflash_dir):
     assert not any(n.startswith(("embed_tokens", "lm_head", "model.")) for n in names)
     target = load_model(llama_dir, torch.float32, torch.device("cpu"))
     assert dflash.read(dflash_dir, target).embed_tokens is target.embed_tokens   # shared
+
+
+def test_fusing_the_context_projection_leaves_plain_weights(llama_dir, dflash_dir):
+    """The fused k/v projection is a copy of the layers' weights, not a node of an autograd
+    graph over them (which made every later .to() warn and kept the graph alive)."""
+    target = load_model(llama_dir, torch.float32, torch.device("cpu"))
+    drafter = dflash.read(dflash_dir, target)
+    drafter.fuse_context_kv()
+    assert drafter.kv_proj.weight.is_leaf and not drafter.kv_proj.weight.requires_grad
+    assert all(p.is_leaf for p in drafter.parameters())
