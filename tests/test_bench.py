@@ -352,3 +352,23 @@ def test_draft_model_plus_parallel_drafts_with_the_zoos_pard_draft(tmp_path):
         (d / "config.json").write_text("{}")
     avail = configs(_args("--target", str(target), "--draft", str(draft)))
     assert avail["draft_model+parallel"][1]["model"] == str(tmp_path / "d-pard")
+
+
+def test_a_run_names_its_draft_only_where_a_configuration_loads_it(tmp_path):
+    from specserve.bench import report
+    from specserve.bench.latency import draft_used
+    target, draft = tmp_path / "t", tmp_path / "d"
+    for d in (target, draft, tmp_path / "d-pard", tmp_path / "h"):
+        d.mkdir()
+    own = configs(_args("--target", str(target), "--draft", str(draft),
+                        "--methods", f"ngram,eagle3@{tmp_path / 'h'}"))
+    assert not draft_used(str(draft), own, transformers=False)
+    assert draft_used(str(draft), own, transformers=True)          # assisted generation
+    for m in ("draft_model", "draft_model+parallel"):
+        assert draft_used(str(draft), configs(_args("--target", str(target), "--draft",
+                                                    str(draft), "--methods", m)), False)
+    data = _latency_run()
+    assert "draft D," in report.markdown(data)
+    data["settings"]["draft"] = None
+    (line,) = [ln for ln in report.markdown(data).splitlines() if ln.startswith("- target")]
+    assert line.startswith("- target models/code-target, dtypes float32,")

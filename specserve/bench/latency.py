@@ -80,6 +80,13 @@ def run_suite(runners, prompts: list[str], batch: int, max_tokens: int, rounds: 
     return [res for res in results.values() if res.tokens_per_s]
 
 
+def draft_used(draft: str, specs: dict[str, tuple[str, dict]], transformers: bool) -> bool:
+    """Whether a run loads --draft (or its PARD draft), so that its record names it: a run
+    whose drafters all come from METHOD@DIR or the catalogue named a toy draft it never ran."""
+    return transformers or any(str(spec.get("model", "")).startswith(draft)
+                               for _, spec in specs.values())
+
+
 def _k_label(spec: dict) -> str:
     if spec.get("speculative_token_tree"):
         return f"tree of {len(TokenTree.parse(spec['speculative_token_tree']))}"
@@ -196,9 +203,11 @@ def main(argv: list[str]) -> None:
     # Measured again at the end, the higher reading kept: on a shared machine one reading can
     # come out at half the rate of the next, which would halve the floor's strictness.
     bw = max(bw, memory_bandwidth_gbs(dev))
+    uses_draft = draft_used(a.draft, specs, not a.no_transformers and 1 in batches)
     data = {"benchmark": "latency", "title": a.title,
             "command": "specserve bench " + " ".join(argv), "machine": machine(device=dev),
-            "settings": {"target": target, "draft": draft, "dtypes": dtypes, "device": dev,
+            "settings": {"target": target, "draft": draft if uses_draft else None,
+                         "dtypes": dtypes, "device": dev,
                          "temperature": a.temperature, "num_prompts": a.num_prompts,
                          "max_tokens": a.max_tokens, "rounds": a.rounds,
                          "speculative_config_extra": a.spec_extra,

@@ -154,7 +154,8 @@ def _step_costs(data: dict) -> list[str]:
 def _latency_markdown(data: dict) -> list[str]:
     s = data["settings"]
     bw, wb = data["bandwidth_gbs"], data["weight_bytes"]
-    lines = [f"- target {s['target']}, draft {s['draft']}, dtypes {', '.join(s['dtypes'])}, "
+    draft = f", draft {s['draft']}" if s.get("draft") else ""
+    lines = [f"- target {s['target']}{draft}, dtypes {', '.join(s['dtypes'])}, "
              f"temperature {s['temperature']}, {s['num_prompts']} prompts x {s['max_tokens']} "
              f"new tokens, median of {s['rounds']} rounds, speculative_config extra: "
              f"{s['speculative_config_extra'] or 'none'}",
