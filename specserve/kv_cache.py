@@ -17,9 +17,9 @@ import torch
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros that take memory only where written, on the CPU: an anonymous mapping, whose pages
     the system zeroes on first touch (torch.zeros writes every byte up front), in pages of 4 KiB
-    where the system allows: with NumPy's zeroed arrays (which ask for transparent huge pages)
-    the first key of a request held 2 MiB of each layer's slot, so that a batch of 8 short
-    chats kept all 8 slots' whole contexts resident (1.4 GB for SmolLM2)."""
+    where the system allows: NumPy's zeroed arrays ask for transparent huge pages, and then the
+    first key of a request made 2 MiB of each layer's slot resident (a batch of short requests
+    held every slot's whole context)."""
     numel = math.prod(shape)
     if torch.device(device).type != "cpu" or numel == 0:
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -36,9 +36,8 @@ def test_move_copies_positions_of_one_slot_in_every_layer():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_cache_holds_memory_only_for_the_positions_written(dtype):
     """A long-context cache costs what its requests wrote: a few keys in every slot of every
-    layer (a batch of short chats) must not make whole slots resident. NumPy's zeroed arrays,
-    which ask for transparent huge pages, held 2 MiB per first write: 8 slots of SmolLM2's
-    8192 positions, 1.4 GB, after one batch of short chats."""
+    layer (a batch of short chats) must not make whole slots resident, as NumPy's zeroed
+    arrays did by asking for transparent huge pages (2 MiB held per first write)."""
     from specserve.bench.probes import resident_bytes
     if resident_bytes() is None:
         pytest.skip("no /proc/self/status to read resident memory from")
