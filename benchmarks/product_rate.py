@@ -17,12 +17,9 @@ a line in benchmarks/HISTORY.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import re
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,7 +27,9 @@ import torch
 from specserve.bench.probes import machine, memory_bandwidth_gbs
 from specserve.kernels.cpu import binding
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_split import _median_ms, kernel_header, save  # noqa: E402
+
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]        # one layer's (out, in)
 LAYERS = 30
 
@@ -39,16 +38,6 @@ def pack(w: torch.Tensor, dtype: str, block: int) -> torch.Tensor:
     if dtype == "bfloat16":
         return binding.pack_weight(w.to(torch.bfloat16), block, pairs=True)
     return binding.pack_weight(w, block, quantization=dtype)
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()                                                            # warm up
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
 
 
 def measure(dtype: str, rows: list[int], repeats: int, lib) -> list[dict]:
@@ -68,10 +57,10 @@ def measure(dtype: str, rows: list[int], repeats: int, lib) -> list[dict]:
             return lambda: [binding.linear_rows(lib, xs[i], w, None, o)
                             for w, (o, i) in zip(ws, SHAPES * LAYERS)]
 
-        calls = median_ms(lambda: [binding.linear_rows(lib, x64, tiny, None, 64)
+        calls = _median_ms(lambda: [binding.linear_rows(lib, x64, tiny, None, 64)
                                    for _ in weights], repeats)
-        memory = median_ms(run(weights), repeats) - calls
-        cache = median_ms(run(weights[:len(SHAPES)] * LAYERS), repeats) - calls
+        memory = _median_ms(run(weights), repeats) - calls
+        cache = _median_ms(run(weights[:len(SHAPES)] * LAYERS), repeats) - calls
         out.append({"dtype": dtype, "rows": n, "memory_ms": memory, "cache_ms": cache,
                     "weight_bytes": nbytes, "gb_per_s": nbytes / memory / 1e6,
                     "cache_gmacs": macs * n / cache / 1e6})
@@ -80,11 +69,7 @@ def measure(dtype: str, rows: list[int], repeats: int, lib) -> list[dict]:
 
 
 def markdown(data: dict) -> str:
-    m = data["machine"]
-    lines = [f"## {data['title']}", "",
-             f"- {m['date']}, commit {m['commit']}; {m['cpu']} ({m['cpus']} CPUs), kernel "
-             f"built for {data['kernel']}; memory bandwidth {data['bandwidth_gbs']:.1f} GB/s",
-             f"- command: `{data['command']}`",
+    lines = kernel_header(data) + [
              "- ms for SmolLM2's 120 layer products, medians; from memory: 30 layers' weights "
              "(the step); from cache: one layer's, 30 times; x one row: from memory", "",
              "| precision | rows | from memory (x one row) | GB/s | from cache | products/s "
@@ -116,26 +101,13 @@ def main() -> None:
             "and from cache", "command": "python benchmarks/product_rate.py "
             + " ".join(sys.argv[1:]), "machine": machine(), "kernel": kernel,
             "bandwidth_gbs": max(bw, memory_bandwidth_gbs()), "rows": rows}
-    table = markdown(data)
-    out = REPO / "runs" / "product_rate"
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"product-rate-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(table + "\n")
-    print(table)
-    if a.publish:
-        cpu = re.sub(r"[^a-z0-9]+", "-", data["machine"]["cpu"].lower()).strip("-")
-        name = f"product-rate-{cpu}" + ("-avx2" if kernel.startswith("AVX2") else "")
-        latest = REPO / "benchmarks" / "latest" / name
-        latest.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-        latest.with_suffix(".md").write_text(table + "\n")
-        five = {r["dtype"]: r for r in rows if r["rows"] == 5}
-        one = {r["dtype"]: r for r in rows if r["rows"] == 1}
-        summary = ", ".join(f"{d} 5 rows {five[d]['memory_ms'] / one[d]['memory_ms']:.2f}x one"
-                            for d in five if d in one)
-        with (REPO / "benchmarks" / "HISTORY.md").open("a") as f:
-            f.write(f"- {data['machine']['date']} · {data['machine']['commit']} · "
-                    f"{data['title']} ({kernel}) · `{data['command']}` · {summary}\n")
+    five = {r["dtype"]: r for r in rows if r["rows"] == 5}
+    one = {r["dtype"]: r for r in rows if r["rows"] == 1}
+    parts = [f"{d} 5 rows {five[d]['memory_ms'] / one[d]['memory_ms']:.2f}x one"
+             for d in five if d in one]
+    summary = " · " + ", ".join(parts) if parts else ""
+    cpu = re.sub(r"[^a-z0-9]+", "-", data["machine"]["cpu"].lower()).strip("-")
+    save(data, markdown(data), f"product-rate-{cpu}", a.publish, summary)
 
 
 if __name__ == "__main__":

@@ -94,12 +94,37 @@ def weight_bytes(model) -> dict[str, int]:
             "lm_head": model.lm_head.kernel_weight.nbytes}
 
 
-def markdown(data: dict) -> str:
+def kernel_header(data: dict) -> list[str]:
+    """A kernel run's title, machine, build, bandwidth and command lines."""
     m = data["machine"]
-    lines = [f"## {data['title']}", "",
-             f"- {m['date']}, commit {m['commit']}; {m['cpu']} ({m['cpus']} CPUs), kernel "
-             f"built for {data['kernel']}; memory bandwidth {data['bandwidth_gbs']:.1f} GB/s",
-             f"- command: `{data['command']}`",
+    return [f"## {data['title']}", "",
+            f"- {m['date']}, commit {m['commit']}; {m['cpu']} ({m['cpus']} CPUs), kernel "
+            f"built for {data['kernel']}; memory bandwidth {data['bandwidth_gbs']:.1f} GB/s",
+            f"- command: `{data['command']}`"]
+
+
+def save(data: dict, table: str, name: str, publish: bool, summary: str) -> None:
+    """The run's JSON and table to runs/<benchmark>/ (and printed); with `publish` also to
+    benchmarks/latest/<name>[-avx2] and a line in HISTORY.md ending in `summary`."""
+    out = REPO / "runs" / data["benchmark"].replace("-", "_")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{data['benchmark']}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)
+    if not publish:
+        return
+    latest = REPO / "benchmarks" / "latest" / (
+        name + ("-avx2" if data["kernel"].startswith("AVX2") else ""))
+    latest.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
+    latest.with_suffix(".md").write_text(table + "\n")
+    with (REPO / "benchmarks" / "HISTORY.md").open("a") as f:
+        f.write(f"- {data['machine']['date']} · {data['machine']['commit']} · "
+                f"{data['title']} ({data['kernel']}) · `{data['command']}`{summary}\n")
+
+
+def markdown(data: dict) -> str:
+    lines = kernel_header(data) + [
              "- ms, medians; floor = the part's weight bytes / bandwidth; attention and the rest "
              "= forward - linears; engine = the whole decode step - forward - lm_head", "",
              "| precision | context | rows | forward | linears (floor) | attention and the rest "
@@ -156,26 +181,11 @@ def main() -> None:
             "command": "python benchmarks/step_split.py " + " ".join(sys.argv[1:]),
             "machine": machine(), "kernel": kernel,
             "bandwidth_gbs": max(bw, memory_bandwidth_gbs()), "rows": rows}
-    table = markdown(data)
-    out = REPO / "runs" / "step_split"
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"step-split-{datetime.datetime.now():%Y%m%d-%H%M%S}"
-    (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
-    (out / f"{stem}.md").write_text(table + "\n")
-    print(table)
-    if a.publish:
-        name = f"step-split-{a.target}" + ("-avx2" if kernel.startswith("AVX2") else "")
-        latest = REPO / "benchmarks" / "latest" / name
-        latest.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-        latest.with_suffix(".md").write_text(table + "\n")
-        with (REPO / "benchmarks" / "HISTORY.md").open("a") as f:
-            decode = next((r for r in rows if "engine" in r), None)
-            f.write(f"- {data['machine']['date']} · {data['machine']['commit']} · "
-                    f"{data['title']} ({kernel}) · `{data['command']}`"
-                    + (f" · {decode['dtype']} decode {decode['decode_step']:.2f} ms: forward "
-                       f"{decode['forward']:.2f} (linears {decode['linears']:.2f}), lm_head "
-                       f"{decode['lm_head']:.2f}, engine {decode['engine']:.2f}"
-                       if decode else "") + "\n")
+    decode = next((r for r in rows if "engine" in r), None)
+    summary = (f" · {decode['dtype']} decode {decode['decode_step']:.2f} ms: forward "
+               f"{decode['forward']:.2f} (linears {decode['linears']:.2f}), lm_head "
+               f"{decode['lm_head']:.2f}, engine {decode['engine']:.2f}" if decode else "")
+    save(data, markdown(data), f"step-split-{a.target}", a.publish, summary)
 
 
 if __name__ == "__main__":
