@@ -62,7 +62,8 @@ def build_head(method: str, target, k: int, draft_vocab: int | None = None,
 def _init_from(head: nn.Module, method: str, d: Path, target,
                refresh_vocab: bool = False) -> None:
     """Copy the trained head in `d` into `head` (built for this run's shape); any mismatch (a
-    different K, draft vocabulary or width) is an error that names it. With `refresh_vocab`
+    different K, draft vocabulary or width) is an error that names it; a chain head grows a
+    fresh P-EAGLE mask state, a P-EAGLE head trained as a chain drops its own. With `refresh_vocab`
     (eagle3) `head` keeps the draft vocabulary it was built with (this run's most frequent
     tokens, of any size): see `_remap_vocab`."""
     if refresh_vocab and not hasattr(head, "d2t"):
@@ -74,6 +75,8 @@ def _init_from(head: nn.Module, method: str, d: Path, target,
     own = head.state_dict()
     if "mask_hidden" in own and "mask_hidden" not in trained:   # a chain head becomes P-EAGLE
         trained = {**trained, "mask_hidden": own["mask_hidden"]}
+    elif "mask_hidden" in trained and "mask_hidden" not in own:  # a P-EAGLE head, as a chain
+        trained = {k: v for k, v in trained.items() if k != "mask_hidden"}
     elif getattr(loaded, "mask_token_id", None) is not None:
         head.mask_token_id = loaded.mask_token_id
     bad = sorted(k for k in own.keys() | trained.keys()

@@ -139,6 +139,15 @@ def test_train_a_peagle_head_from_a_chain_head(tiny_lm, small_corpus, tmp_path):
         "model": str(tmp_path / "pe"), "num_speculative_tokens": 4, "parallel_drafting": True,
     }).generate("def f(x):", sp, use_tqdm=False)
     assert got[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    # and back: a chain run from the P-EAGLE head (zero learning rate) keeps all but the mask
+    again = TrainConfig(work_dir=str(tmp_path / "again"), steps=1, batch_size=2, seq_len=32,
+                        lr=0.0, warmup=1, bf16=False, device=DEVICE)
+    train_head("eagle3", again, target, tmp_path / "chain2", k=4, gen=gen, corpus=small_corpus,
+               init=tmp_path / "pe")
+    chain2 = load_file(str(tmp_path / "chain2" / "model.safetensors"))
+    assert chain2.keys() == written.keys() - {"mask_hidden"}
+    for name, value in chain2.items():
+        torch.testing.assert_close(value, written[name], rtol=0, atol=0)
 
 
 def test_top1_weight_adds_a_cross_entropy_to_the_targets_top_token():
