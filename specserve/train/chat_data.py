@@ -7,7 +7,8 @@ Each is answered through the target's chat template, greedy and sampled (tempera
 batches; `extract_hidden_states` writes each answered conversation's token ids and the hidden
 states a head trains on (`specserve train eagle3 --hidden-states OUT/states`), and
 `answers.jsonl` keeps the text. Batches are done in turn, each finished batch's files moved to
-`states/batch-NNNNN/` under a DONE marker: a run stopped anywhere resumes where it was.
+`states/batch-NNNNN/` under a DONE marker: a run stopped anywhere resumes where it was, and a
+larger --num-prompts answers only what is new.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class ChatDataConfig:
         "help": "comma-separated: every prompt is answered once at each"})
     answer_max_tokens: int = field(default=256, metadata={"help": "longest answer"})
     answer_batch_size: int = field(default=16, metadata={"help": "conversations per engine batch"})
-    states_max_bytes: int = field(default=4 << 30, metadata={
-        "help": "stop writing hidden states past this many bytes"})
+    states_max_bytes: int = field(default=16 << 30, metadata={
+        "help": "the most bytes of hidden states OUT/states may hold; a run that reaches it "
+                "stops, keeping its finished batches"})
     answer_seed: int = field(default=0, metadata={"help": "seed of the sampled answers"})
 
     def temps(self) -> list[float]:
@@ -54,15 +56,24 @@ def _written_questions(llm: LLM, out: Path, max_tokens: int) -> list[str]:
     return questions
 
 
+def _answered(done_dir: Path) -> list[tuple[str, float]]:
+    """The (prompt, temperature) jobs a finished batch answered (a run with another
+    --num-prompts cuts its last batch differently: that batch is answered again)."""
+    lines = (done_dir / "answers.jsonl").read_text().splitlines()
+    return [(a["prompt"], a["temperature"]) for a in map(json.loads, lines)]
+
+
 def generate_chat_data(target: str, out: Path, cfg: ChatDataConfig) -> dict:
     """Answer the train split's prompts with `target`, writing hidden states and answers to
     `out` (resumable); returns a summary (also written to out/summary.json)."""
     out.mkdir(parents=True, exist_ok=True)
     staging = out / "staging"
     shutil.rmtree(staging, ignore_errors=True)          # a stopped batch's leftovers
+    states = out / "states"
+    kept = sum(f.stat().st_size for f in states.rglob("*.safetensors"))   # of earlier runs
     llm = LLM(target, speculative_config={
         "method": "extract_hidden_states", "hidden_states_dir": str(staging),
-        "hidden_states_max_bytes": cfg.states_max_bytes})
+        "hidden_states_max_bytes": max(0, cfg.states_max_bytes - kept)})
     prompts = chat_prompts("train") + _written_questions(llm, out, cfg.answer_max_tokens)
     random.Random(cfg.answer_seed).shuffle(prompts)       # kinds mixed in any first N
     shutil.rmtree(staging, ignore_errors=True)           # the question requests' states
@@ -72,11 +83,10 @@ def generate_chat_data(target: str, out: Path, cfg: ChatDataConfig) -> dict:
     jobs = [(p, t) for p in prompts for t in cfg.temps()]
     size = cfg.answer_batch_size
     batches = [jobs[i:i + size] for i in range(0, len(jobs), size)]
-    states = out / "states"
     bar = tqdm(total=len(batches), desc="chat data", unit="batch")
     for b, batch in enumerate(batches):
         done_dir = states / f"batch-{b:05d}"
-        if (done_dir / "DONE").is_file():
+        if (done_dir / "DONE").is_file() and _answered(done_dir) == batch:
             bar.update(1)
             continue
         params = [SamplingParams(temperature=t, max_tokens=cfg.answer_max_tokens,
@@ -84,6 +94,14 @@ def generate_chat_data(target: str, out: Path, cfg: ChatDataConfig) -> dict:
                   for i, (_, t) in enumerate(batch)]
         outs = llm.chat([[{"role": "user", "content": p}] for p, _ in batch], params,
                         use_tqdm=False)
+        written = len(list(staging.glob("*.safetensors")))
+        if written < len(batch):        # the byte budget ran out: this batch is not done
+            bar.close()
+            raise RuntimeError(
+                f"{states} reached --states-max-bytes {cfg.states_max_bytes} in batch {b} "
+                f"({written} of its {len(batch)} conversations' states written); the {b} "
+                "batches before it are kept: raise --states-max-bytes (or free disk) and run "
+                "again to go on")
         shutil.rmtree(done_dir, ignore_errors=True)
         done_dir.parent.mkdir(parents=True, exist_ok=True)
         staging.rename(done_dir)

@@ -32,3 +32,24 @@ def test_answers_and_states_are_written_and_a_rerun_resumes(text_model_dir, tmp_
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     assert (batches[0] / "answers.jsonl").stat().st_mtime_ns == stamp
     assert (batches[1] / "DONE").is_file()
+
+
+def test_a_run_that_fills_its_states_budget_stops_and_a_larger_one_goes_on(text_model_dir,
+                                                                              tmp_path):
+    """--states-max-bytes counts the files of earlier runs too; a batch whose states did not all
+    fit is not marked done, the run stops naming the flag, and a rerun with room finishes it."""
+    import pytest
+    out = tmp_path / "data"
+    small = ChatDataConfig(num_prompts=3, answer_batch_size=4, answer_max_tokens=6)
+    generate_chat_data(str(text_model_dir), out, small)
+    first = sum(f.stat().st_size for f in (out / "states").rglob("*.safetensors"))
+    more = ChatDataConfig(num_prompts=5, answer_batch_size=4, answer_max_tokens=6,
+                          states_max_bytes=first + 1)          # room for one more file
+    # batch 1 held 2 conversations and now holds 4: it is answered again, one file fits
+    with pytest.raises(RuntimeError, match=r"reached --states-max-bytes .* in batch 1 \(1 of "
+                                           "its 4 .*the 1 batches before it are kept"):
+        generate_chat_data(str(text_model_dir), out, more)
+    assert len((out / "states" / "batch-00001" / "answers.jsonl").read_text().splitlines()) == 2
+    summary = generate_chat_data(str(text_model_dir), out, ChatDataConfig(
+        num_prompts=5, answer_batch_size=4, answer_max_tokens=6))
+    assert summary["conversations"] == 10 == summary["hidden_state_files"]
