@@ -63,9 +63,9 @@ def _init_from(head: nn.Module, method: str, d: Path, target,
                refresh_vocab: bool = False) -> None:
     """Copy the trained head in `d` into `head` (built for this run's shape); any mismatch (a
     different K, draft vocabulary or width) is an error that names it; a chain head grows a
-    fresh P-EAGLE mask state, a P-EAGLE head trained as a chain drops its own. With `refresh_vocab`
-    (eagle3) `head` keeps the draft vocabulary it was built with (this run's most frequent
-    tokens, of any size): see `_remap_vocab`."""
+    fresh P-EAGLE mask state, a P-EAGLE head trained as a chain drops its own. With
+    `refresh_vocab` (eagle3) `head` keeps the draft vocabulary it was built with (this run's
+    most frequent tokens, of any size): see `_remap_vocab`."""
     if refresh_vocab and not hasattr(head, "d2t"):
         raise ValueError("refreshing the draft vocabulary applies to heads with one (eagle3)")
     loaded = methods.get(method).read(d, target)

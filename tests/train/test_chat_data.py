@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specserve.cli import main
 from specserve.train.chat_data import ChatDataConfig, generate_chat_data
 from specserve.train.heads import read_hidden_states
@@ -38,7 +40,6 @@ def test_a_run_that_fills_its_states_budget_stops_and_a_larger_one_goes_on(text_
                                                                               tmp_path):
     """--states-max-bytes counts the files of earlier runs too; a batch whose states did not all
     fit is not marked done, the run stops naming the flag, and a rerun with room finishes it."""
-    import pytest
     out = tmp_path / "data"
     small = ChatDataConfig(num_prompts=3, answer_batch_size=4, answer_max_tokens=6)
     generate_chat_data(str(text_model_dir), out, small)
