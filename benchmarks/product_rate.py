@@ -83,6 +83,28 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(data: dict, path: Path) -> None:
+    """Per precision: the products' time from memory and from cache against rows."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, dtype in enumerate(dict.fromkeys(r["dtype"] for r in data["rows"])):
+        rows = [r for r in data["rows"] if r["dtype"] == dtype]
+        n = [r["rows"] for r in rows]
+        ax.plot(n, [r["memory_ms"] for r in rows], "o-", color=f"C{i}",
+                label=f"{dtype}, from memory")
+        ax.plot(n, [r["cache_ms"] for r in rows], "o--", color=f"C{i}",
+                label=f"{dtype}, from cache")
+    ax.set(xlabel="rows", ylabel="ms for the 120 layer products",
+           title=f"{data['title']} ({data['machine']['date']})")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bfloat16,int8,q4_1,q8_0")
@@ -107,7 +129,7 @@ def main() -> None:
              for d in five if d in one]
     summary = " · " + ", ".join(parts) if parts else ""
     cpu = re.sub(r"[^a-z0-9]+", "-", data["machine"]["cpu"].lower()).strip("-")
-    save(data, markdown(data), f"product-rate-{cpu}", a.publish, summary)
+    save(data, markdown(data), f"product-rate-{cpu}", a.publish, summary, plot)
 
 
 if __name__ == "__main__":

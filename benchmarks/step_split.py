@@ -30,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -103,14 +104,18 @@ def kernel_header(data: dict) -> list[str]:
             f"- command: `{data['command']}`"]
 
 
-def save(data: dict, table: str, name: str, publish: bool, summary: str) -> None:
-    """The run's JSON and table to runs/<benchmark>/ (and printed); with `publish` also to
-    benchmarks/latest/<name>[-avx2] and a line in HISTORY.md ending in `summary`."""
+def save(data: dict, table: str, name: str, publish: bool, summary: str,
+         plot: Callable[[dict, Path], None] | None = None) -> None:
+    """The run's JSON and table (and `plot`'s figure, where given) to runs/<benchmark>/ (and
+    printed); with `publish` also to benchmarks/latest/<name>[-avx2] and a line in HISTORY.md
+    ending in `summary`."""
     out = REPO / "runs" / data["benchmark"].replace("-", "_")
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{data['benchmark']}-{datetime.datetime.now():%Y%m%d-%H%M%S}"
     (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     (out / f"{stem}.md").write_text(table + "\n")
+    if plot:
+        plot(data, out / f"{stem}.png")
     print(table)
     if not publish:
         return
@@ -118,6 +123,8 @@ def save(data: dict, table: str, name: str, publish: bool, summary: str) -> None
         name + ("-avx2" if data["kernel"].startswith("AVX2") else ""))
     latest.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
     latest.with_suffix(".md").write_text(table + "\n")
+    if plot:
+        plot(data, latest.with_suffix(".png"))
     with (REPO / "benchmarks" / "HISTORY.md").open("a") as f:
         f.write(f"- {data['machine']['date']} · {data['machine']['commit']} · "
                 f"{data['title']} ({data['kernel']}) · `{data['command']}`{summary}\n")
