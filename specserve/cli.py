@@ -156,7 +156,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                             draft_vocab=args.draft_vocab_size,
                             init=Path(args.init) if args.init else None,
                             refresh_vocab=args.refresh_draft_vocab,
-                            hidden_states=Path(args.hidden_states) if args.hidden_states else None,
+                            hidden_states=[Path(d) for d in args.hidden_states or ()] or None,
                             head_options=head_options, chat=args.eval_chat)
         print(json.dumps(result or {"stopped": "time limit; run again to resume"}))
         return
@@ -167,7 +167,7 @@ def cmd_train(args: argparse.Namespace) -> None:
                              "model whose states they are)")
         init = args.draft if args.kind == "pard" else args.init
         quality = train_draft_on_states(
-            cfg, shape, Path(args.target), Path(args.out), Path(args.hidden_states),
+            cfg, shape, Path(args.target), Path(args.out), [Path(d) for d in args.hidden_states],
             init=Path(init) if init else None,
             pard_k=(args.num_speculative_tokens or 8) if args.kind == "pard" else None,
             depth_gamma=args.depth_gamma)
@@ -319,9 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "frequent tokens of this run's training text, target-generated "
                         "continuations included) instead of keeping the init head's; its "
                         "lm_head rows carry over for the tokens both keep")
-    t.add_argument("--hidden-states", default=None,
+    t.add_argument("--hidden-states", default=None, nargs="+", metavar="DIR",
                    help="heads, draft and pard: train on the files speculative_config method "
-                        "extract_hidden_states (or train chat-data) wrote to this directory "
+                        "extract_hidden_states (or train chat-data) wrote to these directories "
                         "instead of corpus text; no target pass is run (pard: --draft is "
                         "optional, a fresh draft of the given shape is trained otherwise)")
     t.add_argument("--depth-gamma", type=float, default=None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from specserve.train.heads import evaluate_tau
 from specserve.train.lm import TOKENIZER_FILES, ModelShape, _setup, init_weights
 from specserve.train.pard import pard_loss
 from specserve.train.states import read_hidden_states, state_batches
-from specserve.train.trainer import TrainConfig, lm_loss, train
+from specserve.train.trainer import TrainConfig, bf16_autocast, lm_loss, train
 
 
 def embedding_from_target(model: LlamaForCausalLM, target: LlamaForCausalLM) -> None:
@@ -72,7 +73,7 @@ def chat_tau(target_dir: Path, draft: Path, ks: list[int], extra: dict | None = 
 
 
 def train_draft_on_states(cfg: TrainConfig, shape: ModelShape, target_dir: Path, out: Path,
-                          hidden_states: Path, init: Path | None = None,
+                          hidden_states: Path | Sequence[Path], init: Path | None = None,
                           pard_k: int | None = None, depth_gamma: float | None = None,
                           eval_k: int = 4) -> dict:
     """Train a draft of `shape` (or continue the one in `init`) for `target_dir` on the files in
@@ -84,7 +85,8 @@ def train_draft_on_states(cfg: TrainConfig, shape: ModelShape, target_dir: Path,
     target = load_model(target_dir, torch.float32, device)
     for p in target.parameters():
         p.requires_grad_(False)
-    states, _ = read_hidden_states(hidden_states)
+    states, _ = read_hidden_states(
+        hidden_states, torch.bfloat16 if bf16_autocast(cfg, device) else None)
     ids = torch.cat([d["token_ids"] for d in states]).numpy()
     vocab = target.args.vocab_size
     if init is not None:

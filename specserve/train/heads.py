@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +45,7 @@ from specserve.sampling_params import SamplingParams
 from specserve.train.generated import GeneratedData, fit_prompts, with_generated
 from specserve.train.lm import _setup, prepare_data
 from specserve.train.states import read_hidden_states, state_batches
-from specserve.train.trainer import TrainConfig, _positions, train
+from specserve.train.trainer import TrainConfig, _positions, bf16_autocast, train
 
 
 def build_head(method: str, target, k: int, draft_vocab: int | None = None,
@@ -221,11 +222,11 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
 def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: int = 4,
                gen: GeneratedData | None = None, corpus: Corpus | None = None,
                draft_vocab: int | None = None, init: Path | None = None,
-               refresh_vocab: bool = False, hidden_states: Path | None = None,
+               refresh_vocab: bool = False, hidden_states: Path | Sequence[Path] | None = None,
                head_options: dict | None = None, chat: bool = False) -> dict:
     """Train a head for `target_dir` (starting from the head in `init` when given), write it to
     `out`, return its tau evaluation. With `hidden_states`, on the files `extract_hidden_states`
-    wrote there instead of corpus text; with `chat`, tau is measured on the held-out chat
+    wrote there (one directory or several) instead of corpus text; with `chat`, tau is measured on the held-out chat
     prompts (per K, greedy and sampled) instead of code completions."""
     return train_heads({method: out}, cfg, target_dir, k, gen, corpus, draft_vocab,
                        {method: init} if init else None, refresh_vocab, hidden_states,
@@ -237,7 +238,7 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
                 draft_vocab: int | None = None,
                 inits: dict[str, Path] | None = None,
                 refresh_vocab: bool = False,
-                hidden_states: Path | None = None,
+                hidden_states: Path | Sequence[Path] | None = None,
                 head_options: dict | None = None, chat: bool = False) -> dict[str, dict]:
     """Train a head of each method in `outs` (method -> output directory) on the same batches,
     write each in its format, return each one's tau evaluation ({} while unfinished; a
@@ -257,7 +258,8 @@ def train_heads(outs: dict[str, Path], cfg: TrainConfig, target_dir: Path, k: in
     for p in target.parameters():
         p.requires_grad_(False)
     if hidden_states is not None:              # served traffic's states, no target pass
-        states, layers = read_hidden_states(hidden_states)
+        states, layers = read_hidden_states(
+            hidden_states, torch.bfloat16 if bf16_autocast(cfg, device) else None)
         ids = torch.cat([d["token_ids"] for d in states]).numpy()
     else:
         train_ids, _, _ = prepare_data(target_dir, work, corpus, 0)

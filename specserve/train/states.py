@@ -7,6 +7,7 @@ target's distribution over its last hidden state).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,20 +18,30 @@ from safetensors.torch import load_file
 from specserve.train.trainer import TrainConfig
 
 
-def read_hidden_states(directory: Path) -> tuple[list[dict[str, torch.Tensor]], tuple[int, ...]]:
-    """The files `extract_hidden_states` wrote to `directory`, and the target layers they hold."""
-    files = sorted(Path(directory).rglob("*.safetensors"))      # batch directories too
-    if not files:
-        raise ValueError(f"{directory} holds no .safetensors files; write some with "
-                         "speculative_config {\"method\": \"extract_hidden_states\", "
-                         "\"hidden_states_dir\": ...}")
+def read_hidden_states(directories: Path | Sequence[Path], dtype: torch.dtype | None = None
+                       ) -> tuple[list[dict[str, torch.Tensor]], tuple[int, ...]]:
+    """The files `extract_hidden_states` wrote to `directories` (one or several: several
+    chat-data runs train together), and the target layers they hold. With `dtype` the states are
+    held in it (bfloat16 halves the memory of a large set; a bfloat16-autocast run rounds them
+    so anyway)."""
+    dirs = [Path(directories)] if isinstance(directories, (str, Path)) else list(directories)
     data, layers = [], set()
-    for f in files:
-        with safe_open(str(f), "pt") as h:
-            layers.add(h.metadata()["layers"])
-        data.append(load_file(str(f)))
+    for directory in dirs:
+        files = sorted(directory.rglob("*.safetensors"))      # batch directories too
+        if not files:
+            raise ValueError(f"{directory} holds no .safetensors files; write some with "
+                             "speculative_config {\"method\": \"extract_hidden_states\", "
+                             "\"hidden_states_dir\": ...}")
+        for f in files:
+            with safe_open(str(f), "pt") as h:
+                layers.add(h.metadata()["layers"])
+            d = load_file(str(f))
+            if dtype is not None:
+                d = {k: v.to(dtype) if v.is_floating_point() else v for k, v in d.items()}
+            data.append(d)
     if len(layers) != 1:
-        raise ValueError(f"{directory} mixes files of different target layers {sorted(layers)}")
+        raise ValueError(f"{', '.join(map(str, dirs))}: files of different target layers "
+                         f"{sorted(layers)}")
     return data, tuple(json.loads(layers.pop()))
 
 
@@ -49,6 +60,8 @@ def state_batches(data: list[dict[str, torch.Tensor]], cfg: TrainConfig, device:
         S = cfg.seq_len
         return {"xy": torch.stack([d["token_ids"][s:s + S + 1] for d, s in picks]).to(device),
                 "positions": torch.stack([torch.arange(s, s + S) for _, s in picks]).to(device),
-                "aux_hidden": torch.stack([d["aux_hidden"][s:s + S] for d, s in picks]).to(device),
-                "hidden": torch.stack([d["hidden"][s:s + S] for d, s in picks]).to(device)}
+                "aux_hidden": torch.stack([d["aux_hidden"][s:s + S] for d, s in picks]).to(
+                    device, torch.float32),
+                "hidden": torch.stack([d["hidden"][s:s + S] for d, s in picks]).to(
+                    device, torch.float32)}
     return batch

@@ -387,14 +387,34 @@ def test_a_head_trained_from_extracted_states_equals_one_trained_from_the_text(t
         torch.testing.assert_close(value, heads["text"][1][name], atol=1e-4, rtol=1e-3)
 
 
+def test_hidden_states_of_several_runs_read_together_and_held_in_bfloat16(tiny_lm, tmp_path):
+    """Several chat-data runs train as one set; held in bfloat16 (a large set's memory), the
+    states are the files' rounded, and batches still come out in float32."""
+    from specserve.train.heads import read_hidden_states, state_batches
+    target_dir, _, _ = tiny_lm
+    _extract(target_dir, tmp_path / "a")
+    _extract(target_dir, tmp_path / "b" / "batch-00000")
+    one, layers = read_hidden_states(tmp_path / "a")
+    both, layers2 = read_hidden_states([tmp_path / "a", tmp_path / "b"], torch.bfloat16)
+    assert len(both) == 2 * len(one) and layers2 == layers
+    assert both[0]["token_ids"].dtype == one[0]["token_ids"].dtype
+    torch.testing.assert_close(both[0]["aux_hidden"], one[0]["aux_hidden"].to(torch.bfloat16))
+    cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=1, batch_size=3, seq_len=24,
+                      device=DEVICE)
+    assert state_batches(both, cfg, torch.device("cpu"))(0)["hidden"].dtype == torch.float32
+    with pytest.raises(ValueError, match="empty holds no .safetensors files"):
+        read_hidden_states([tmp_path / "a", tmp_path / "empty"])
+
+
 def test_train_eagle3_from_hidden_states(tiny_lm, tmp_path):
     from specserve.train.heads import train_head
     target_dir, _, _ = tiny_lm
     _extract(target_dir, tmp_path / "states")
     cfg = TrainConfig(work_dir=str(tmp_path / "w"), steps=4, batch_size=2, seq_len=24,
                       lr=3e-3, warmup=1, eval_every=4, bf16=False, device=DEVICE)
+    _extract(target_dir, tmp_path / "more")
     result = train_head("eagle3", cfg, target_dir, tmp_path / "head", k=2,
-                        hidden_states=tmp_path / "states")
+                        hidden_states=[tmp_path / "states", tmp_path / "more"])
     assert 1.0 <= result["tau"] <= 3.0
     with pytest.raises(ValueError, match="holds no .safetensors files"):
         train_head("eagle3", cfg, target_dir, tmp_path / "head2", k=2,
