@@ -200,8 +200,8 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _head_options(args: argparse.Namespace) -> dict:
-    """The method's own shape settings (dflash: --block-size, --layers; eagle3: --parallel;
-    mlp_speculator: --inner-dim)."""
+    """The method's own settings (dflash: --block-size, --layers; eagle3: --parallel,
+    --depth-gamma, --chain-weight; mlp_speculator: --inner-dim)."""
     if args.parallel and args.kind != "eagle3":
         raise SystemExit("specserve train: --parallel is for eagle3 (a P-EAGLE head); for a "
                          "draft model use `specserve train pard`")
@@ -209,8 +209,11 @@ def _head_options(args: argparse.Namespace) -> dict:
         raise SystemExit("specserve train: --depth-gamma is for pard and eagle3 --parallel")
     if args.inner_dim is not None and args.kind != "mlp_speculator":
         raise SystemExit("specserve train: --inner-dim is for mlp_speculator")
+    if args.chain_weight and not args.parallel:
+        raise SystemExit("specserve train: --chain-weight is for eagle3 --parallel")
     if args.kind == "eagle3" and args.parallel:
-        return {"parallel": True, "depth_gamma": args.depth_gamma}
+        return {"parallel": True, "depth_gamma": args.depth_gamma,
+                "chain_weight": args.chain_weight}
     if args.kind == "mlp_speculator":
         return {"inner_dim": args.inner_dim}
     if args.kind != "dflash":
@@ -324,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "extract_hidden_states (or train chat-data) wrote to these directories "
                         "instead of corpus text; no target pass is run (pard: --draft is "
                         "optional, a fresh draft of the given shape is trained otherwise)")
+    t.add_argument("--chain-weight", type=float, default=0.0,
+                   help="eagle3 --parallel: add this times the chain's unrolled loss, so that "
+                        "the P-EAGLE head keeps drafting well as EAGLE-3's chain too (default: "
+                        "0, one pass only)")
     t.add_argument("--depth-gamma", type=float, default=None,
                    help="pard and eagle3 --parallel: weigh the loss of the draft d tokens "
                         "ahead by exp(-(d-1) / GAMMA) (as DFlash weighs its block), so that a "

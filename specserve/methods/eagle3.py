@@ -91,6 +91,7 @@ class Eagle3Head(StatefulHead):
         self.mask_hidden = (None if mask_token_id is None else
                             nn.Parameter(torch.randn(1, num_aux * target_hidden) * 0.02))
         self.depth_gamma: float | None = None      # training: P-EAGLE's copy weights (`loss`)
+        self.chain_weight = 0.0                    # training: P-EAGLE also trains the chain
 
     def fuse_target(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         if self.variant.norm_before_fc:
@@ -174,12 +175,13 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 
 def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
              token_counts: np.ndarray | None = None, parallel: bool = False,
-             depth_gamma: float | None = None) -> Eagle3Head:
+             depth_gamma: float | None = None, chain_weight: float = 0.0) -> Eagle3Head:
     """A fresh head; with `draft_vocab` < the target's vocabulary it keeps the `draft_vocab`
     target ids most frequent in `token_counts` [V] (as EAGLE-3 does); `parallel`: a P-EAGLE
     head, its mask token the lowest id unused in `token_counts`; `depth_gamma`: its training
     weighs the draft d tokens ahead by exp(-(d-1) / depth_gamma) (`loss`; default: all
-    alike)."""
+    alike); `chain_weight`: a P-EAGLE head's training adds this times the chain's unrolled loss
+    (one file serves both ways: drafting in one pass and as EAGLE-3's chain)."""
     a = target.args
     n = min(draft_vocab or a.vocab_size, a.vocab_size)
     if parallel and token_counts is None:
@@ -193,6 +195,10 @@ def new_head(target: nn.Module, k: int, draft_vocab: int | None = None,
         head.d2t.copy_(ids - torch.arange(n, device=ids.device))
     head.aux_layers = default_aux_layers(a.num_hidden_layers)
     head.depth_gamma = depth_gamma
+    if chain_weight and not parallel:
+        raise ValueError("chain_weight is for a P-EAGLE head (parallel); a chain head trains "
+                         "the chain alone")
+    head.chain_weight = chain_weight
     return head
 
 
@@ -270,18 +276,26 @@ def parallel_drafts(head: Eagle3Head, x: torch.Tensor, aux: torch.Tensor, pos: t
 
 def loss(head: Eagle3Head, x, pos, h, aux, logp, k: int, distill):
     """KL over the draft vocabulary (logp is the target's over it) at each of the k unrolled
-    draft steps (P-EAGLE: of the k copies of one parallel pass, weighted by depth as
-    `new_head`'s depth_gamma says), averaged."""
+    draft steps, averaged (P-EAGLE: of the k copies of one parallel pass, weighted by depth as
+    `new_head`'s depth_gamma says, plus chain_weight x the unrolled chain's loss)."""
+    values, total = {}, 0.0
     if head.mask_hidden is not None:
         outs = parallel_drafts(head, x, aux, pos, k)
         kls = [distill(head.draft_logits(outs[:, c, c:]), logp[:, 1 + c:]) for c in range(k)]
         w = depth_weights(k, head.depth_gamma)
         total = sum(wc * kl for wc, kl in zip(w.tolist(), kls)) / w.sum().item()
-        return total, {"kl": kls[0].item(), "kl_last": kls[-1].item(), "loss": total.item()}
+        values = {"kl": kls[0].item(), "kl_last": kls[-1].item()}
+        if not head.chain_weight:
+            return total, values | {"loss": total.item()}
     outs = unrolled_drafts(head, x, aux, pos, k)
     kls = [distill(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]
-    total = sum(kls) / len(kls)
-    values = {"kl" if j == 0 else f"kl_step{j + 1}": kl.item() for j, kl in enumerate(kls)}
+    chain = sum(kls) / len(kls)
+    if values:                                   # P-EAGLE keeping its chain
+        total = total + head.chain_weight * chain
+        values["kl_chain_last"] = kls[-1].item()
+    else:
+        total = chain
+        values = {"kl" if j == 0 else f"kl_step{j + 1}": kl.item() for j, kl in enumerate(kls)}
     return total, values | {"loss": total.item()}
 
 

@@ -159,6 +159,28 @@ def test_depth_weights_count_each_copy_as_asked(llama_dir, peagle_dir):
     assert float(totals[2.0]) == pytest.approx((kl0 + w * kl1) / (1 + w), rel=1e-5)
 
 
+def test_a_chain_weight_adds_the_unrolled_chains_loss(llama_dir, peagle_dir):
+    """With chain_weight w a P-EAGLE head's loss is its one-pass loss plus w times the loss the
+    same head has unrolled as EAGLE-3's chain (the chain's own loss, mask state aside)."""
+    from specserve.train.heads import head_loss
+    target = load_model(llama_dir, torch.float32, torch.device("cpu"))
+    head = eagle3.read(peagle_dir, target)
+    fn = head_loss("eagle3", head, target, 3)
+    xy = torch.randint(3, 90, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        one_pass, _ = fn(xy)
+        head.chain_weight = 0.5
+        both, values = fn(xy)
+        head.chain_weight, mask = 0.0, head.mask_hidden
+        head.mask_hidden = None                             # the same weights, as a chain
+        chain, chain_values = fn(xy)
+        head.mask_hidden = mask
+    assert values["kl_chain_last"] == pytest.approx(chain_values["kl_step3"], rel=1e-5)
+    assert float(both) == pytest.approx(float(one_pass) + 0.5 * float(chain), rel=1e-5)
+    with pytest.raises(ValueError, match="chain_weight is for a P-EAGLE head"):
+        eagle3.new_head(target, 2, chain_weight=1.0)
+
+
 def test_sampling_keeps_the_targets_distribution(small_vocab_pair, tmp_path):  # noqa: F811
     target, _ = small_vocab_pair
     head = make_peagle(target, tmp_path / "pe", mask=6, seed=1)

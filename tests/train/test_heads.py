@@ -111,7 +111,8 @@ def test_train_dflash_takes_its_block_size_and_layers(tiny_lm, small_corpus, tmp
 
 def test_train_a_peagle_head_from_a_chain_head(tiny_lm, small_corpus, tmp_path):
     """--parallel --init CHAIN: the chain head's weights carry over, the mask state is new,
-    the loss falls, and the result drafts with parallel_drafting losslessly."""
+    the loss (one pass and, with a chain weight, the chain) falls, and the result drafts with
+    parallel_drafting losslessly."""
     from specserve.train.heads import train_head
     target, _, _ = tiny_lm
     gen = GeneratedData(num_generated=2, generated_len=16)
@@ -124,7 +125,7 @@ def test_train_a_peagle_head_from_a_chain_head(tiny_lm, small_corpus, tmp_path):
                corpus=small_corpus)
     result = train_head("eagle3", cfg("parallel", 20), target, tmp_path / "pe", k=4, gen=gen,
                         corpus=small_corpus, init=tmp_path / "chain",
-                        head_options={"parallel": True})
+                        head_options={"parallel": True, "chain_weight": 0.5})
     written = load_file(str(tmp_path / "pe" / "model.safetensors"))
     chain = load_file(str(tmp_path / "chain" / "model.safetensors"))
     assert written["mask_hidden"].shape == (1, chain["fc.weight"].shape[1])
@@ -132,6 +133,7 @@ def test_train_a_peagle_head_from_a_chain_head(tiny_lm, small_corpus, tmp_path):
     log = [json.loads(x)
            for x in (tmp_path / "parallel" / "train_log.jsonl").read_text().splitlines()]
     assert sum(r["loss"] for r in log[-3:]) < sum(r["loss"] for r in log[:3])
+    assert "kl_chain_last" in log[-1]
     assert 1.0 <= result["tau"] <= 5.0 and len(result["per_position"]) == 4
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ref = LLM(str(target), device=DEVICE).generate("def f(x):", sp, use_tqdm=False)
@@ -458,6 +460,9 @@ def test_an_mlp_speculator_takes_its_inner_dim(tiny_lm, tmp_path):
     with pytest.raises(SystemExit, match="--inner-dim is for mlp_speculator"):
         main(["train", "eagle3", "--target", str(target_dir), "--out", str(tmp_path / "x"),
               "--inner-dim", "8"])
+    with pytest.raises(SystemExit, match="--chain-weight is for eagle3 --parallel"):
+        main(["train", "eagle3", "--target", str(target_dir), "--out", str(tmp_path / "x"),
+              "--chain-weight", "1"])
 
 
 def test_hidden_state_files_are_bounded_and_need_a_directory(tiny_lm, tmp_path):
