@@ -325,6 +325,33 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(data: dict, path: Path) -> None:
+    """Per model and precision, each configuration's tokens/s on both sides (medians)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = [(model, prec, configs) for model, rows in data["models"].items()
+              for prec, configs in rows.items()]
+    cols = min(3, len(panels))
+    grid = -(-len(panels) // cols)
+    height = max(len(c) for _, _, c in panels) * 0.3 + 1.2
+    fig, axes = plt.subplots(grid, cols, figsize=(5.5 * cols, height * grid), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_axis_off()
+    for ax, (model, prec, configs) in zip(axes.flat, panels):
+        y = range(len(configs))
+        for i, side in enumerate(("llama.cpp", "specserve")):
+            ax.barh([j + 0.4 * i for j in y], [v.get(side, 0.0) for v in configs.values()],
+                    height=0.4, label=side)
+        ax.set_yticks([j + 0.2 for j in y], list(configs), fontsize=7)
+        ax.invert_yaxis()
+        ax.set(xlabel="decode tokens/s (median)", title=f"{model.split(' (')[0]}: {prec}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="models/code-target")
@@ -410,12 +437,14 @@ def main() -> None:
     table = markdown(data)
     (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     (out / f"{stem}.md").write_text(table + "\n")
+    plot(data, out / f"{stem}.png")
     print(table)
     if a.publish:
         name = "llama-cpp" + published_suffix(data["machine"]) + (f"-{a.gguf}" if a.gguf else "")
         latest = REPO / "benchmarks" / "latest" / name
         latest.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
         latest.with_suffix(".md").write_text(table + "\n")
+        plot(data, latest.with_suffix(".png"))
         ratios = "; ".join(f"{name}: " + ", ".join(
             f"{prec} {cfg} {v['specserve'] / v['llama.cpp']:.2f}x"
             for prec, cfgs in rows.items() for cfg, v in cfgs.items()

@@ -150,6 +150,30 @@ def markdown(data: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(data: dict, path: Path) -> None:
+    """Each measured step as stacked parts (ms), its weight-bytes floor marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = data["rows"]
+    labels = [f"{r['dtype']}, ctx {r['context']}, {r['rows']} row{'s' * (r['rows'] > 1)}"
+              for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
+    left = [0.0] * len(rows)
+    for part in ("linears", "attention and the rest", "lm_head", "engine"):
+        ms = [max(0.0, r.get(part, 0.0)) for r in rows]
+        ax.barh(labels, ms, left=left, label=part)
+        left = [a + b for a, b in zip(left, ms)]
+    ax.plot([r["floor_ms"]["linears"] + r["floor_ms"]["lm_head"] for r in rows], labels, "k|",
+            markersize=14, label="floor (weight bytes / bandwidth)")
+    ax.invert_yaxis()
+    ax.set(xlabel="ms", title=f"{data['title']} ({data['machine']['date']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="smollm2-135m-instruct")
@@ -192,7 +216,7 @@ def main() -> None:
     summary = (f" · {decode['dtype']} decode {decode['decode_step']:.2f} ms: forward "
                f"{decode['forward']:.2f} (linears {decode['linears']:.2f}), lm_head "
                f"{decode['lm_head']:.2f}, engine {decode['engine']:.2f}" if decode else "")
-    save(data, markdown(data), f"step-split-{a.target}", a.publish, summary)
+    save(data, markdown(data), f"step-split-{a.target}", a.publish, summary, plot)
 
 
 if __name__ == "__main__":
