@@ -304,8 +304,12 @@ def plot(data: dict, path: Path) -> bool:
     import matplotlib.pyplot as plt
     if data["benchmark"] == "latency":
         suites = data["suites"]
-        fig, axes = plt.subplots(1, len(suites), figsize=(5 * len(suites), 4), squeeze=False)
-        for ax, (title, results) in zip(axes[0], suites.items()):
+        # one panel per suite, stacked: long configuration names keep their room on the left
+        names = [r["name"] for results in suites.values() for r in results]
+        rows = max(len(results) for results in suites.values())
+        fig, axes = plt.subplots(len(suites), 1, squeeze=False, figsize=(
+            5 + 0.075 * max(map(len, names)), len(suites) * (0.28 * rows + 1.1)))
+        for ax, (title, results) in zip(axes[:, 0], suites.items()):
             ax.barh([r["name"] for r in results], [r["median_tokens_per_s"] for r in results])
             ax.set(title=title, xlabel="tokens/s (median)")
             ax.invert_yaxis()
