@@ -226,8 +226,8 @@ def train_head(method: str, cfg: TrainConfig, target_dir: Path, out: Path, k: in
                head_options: dict | None = None, chat: bool = False) -> dict:
     """Train a head for `target_dir` (starting from the head in `init` when given), write it to
     `out`, return its tau evaluation. With `hidden_states`, on the files `extract_hidden_states`
-    wrote there (one directory or several) instead of corpus text; with `chat`, tau is measured on the held-out chat
-    prompts (per K, greedy and sampled) instead of code completions."""
+    wrote there (one directory or several) instead of corpus text; with `chat`, tau is measured
+    on the held-out chat prompts (per K, greedy and sampled) instead of code completions."""
     return train_heads({method: out}, cfg, target_dir, k, gen, corpus, draft_vocab,
                        {method: init} if init else None, refresh_vocab, hidden_states,
                        head_options, chat)[method]
