@@ -274,28 +274,30 @@ def parallel_drafts(head: Eagle3Head, x: torch.Tensor, aux: torch.Tensor, pos: t
     return out.view(B, k, L, -1)
 
 
+def _chain_kls(head: Eagle3Head, x, aux, pos, logp, k: int, distill) -> list[torch.Tensor]:
+    """The KL of each of the k unrolled draft steps (EAGLE-3's training-time test)."""
+    outs = unrolled_drafts(head, x, aux, pos, k)
+    return [distill(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]
+
+
 def loss(head: Eagle3Head, x, pos, h, aux, logp, k: int, distill):
     """KL over the draft vocabulary (logp is the target's over it) at each of the k unrolled
     draft steps, averaged (P-EAGLE: of the k copies of one parallel pass, weighted by depth as
     `new_head`'s depth_gamma says, plus chain_weight x the unrolled chain's loss)."""
-    values, total = {}, 0.0
-    if head.mask_hidden is not None:
-        outs = parallel_drafts(head, x, aux, pos, k)
-        kls = [distill(head.draft_logits(outs[:, c, c:]), logp[:, 1 + c:]) for c in range(k)]
-        w = depth_weights(k, head.depth_gamma)
-        total = sum(wc * kl for wc, kl in zip(w.tolist(), kls)) / w.sum().item()
-        values = {"kl": kls[0].item(), "kl_last": kls[-1].item()}
-        if not head.chain_weight:
-            return total, values | {"loss": total.item()}
-    outs = unrolled_drafts(head, x, aux, pos, k)
-    kls = [distill(head.draft_logits(out), logp[:, j + 1:]) for j, out in enumerate(outs)]
-    chain = sum(kls) / len(kls)
-    if values:                                   # P-EAGLE keeping its chain
-        total = total + head.chain_weight * chain
-        values["kl_chain_last"] = kls[-1].item()
-    else:
-        total = chain
+    if head.mask_hidden is None:
+        kls = _chain_kls(head, x, aux, pos, logp, k, distill)
+        total = sum(kls) / len(kls)
         values = {"kl" if j == 0 else f"kl_step{j + 1}": kl.item() for j, kl in enumerate(kls)}
+        return total, values | {"loss": total.item()}
+    outs = parallel_drafts(head, x, aux, pos, k)
+    kls = [distill(head.draft_logits(outs[:, c, c:]), logp[:, 1 + c:]) for c in range(k)]
+    w = depth_weights(k, head.depth_gamma)
+    total = sum(wc * kl for wc, kl in zip(w.tolist(), kls)) / w.sum().item()
+    values = {"kl": kls[0].item(), "kl_last": kls[-1].item()}
+    if head.chain_weight:                    # the same file also drafts as a chain
+        chain = _chain_kls(head, x, aux, pos, logp, k, distill)
+        total = total + head.chain_weight * sum(chain) / len(chain)
+        values["kl_chain_last"] = chain[-1].item()
     return total, values | {"loss": total.item()}
 
 
