@@ -17,8 +17,9 @@ Per precision, context and rows (1: a decode; 5: the verify of 4 drafts), median
 - engine: with rows 1 at the decode probe's context, a whole decode step through
   `LLM.generate` (prompt left out) minus forward and lm_head: scheduling, sampling, Python.
 The floor of a part is the bytes of its weights over the memory bandwidth measured in the same
-run. `CFLAGS=-mno-avx512f` builds the kernel for AVX2 (the `kernel` field says which build
-ran). Writes runs/step_split/; with --publish benchmarks/latest/step-split-<target>[-avx2].*
+run; beside the decode step, the time to read its weights alone where they lie and the step's
+ratio to it (`decode_against_read`). `CFLAGS=-mno-avx512f` builds the kernel for AVX2 (the
+`kernel` field says which build ran). Writes runs/step_split/; with --publish benchmarks/latest/step-split-<target>[-avx2].*
 and a line in benchmarks/HISTORY.md.
 """
 
@@ -36,13 +37,13 @@ from pathlib import Path
 import torch
 
 from specserve import LLM
-from specserve.bench.probes import decode_ms_per_token, machine, memory_bandwidth_gbs
+from specserve.bench.probes import decode_against_read, machine, memory_bandwidth_gbs
 from specserve.bench.runners import precision_args
 from specserve.kernels.cpu import binding
 from specserve.models.metadata import build_metadata
 
 REPO = Path(__file__).resolve().parents[1]
-DECODE_CONTEXT = 128        # decode_ms_per_token: a 64-token prompt and 128 new tokens
+DECODE_CONTEXT = 128        # decode_against_read: a 64-token prompt and 128 new tokens
 
 
 def _linears(model) -> list:
@@ -133,20 +134,25 @@ def save(data: dict, table: str, name: str, publish: bool, summary: str,
 def markdown(data: dict) -> str:
     lines = kernel_header(data) + [
              "- ms, medians; floor = the part's weight bytes / bandwidth; attention and the rest "
-             "= forward - linears; engine = the whole decode step - forward - lm_head", "",
+             "= forward - linears; engine = the whole decode step - forward - lm_head; weights "
+             "read = the time to read the weights alone (no arithmetic), decode / read the "
+             "median of the decode's timings each over the reads around it", "",
              "| precision | context | rows | forward | linears (floor) | attention and the rest "
-             "| lm_head (floor) | step | engine | decode step (floor) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| lm_head (floor) | step | engine | decode step (floor) | weights read "
+             "| decode / read |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in data["rows"]:
         fl = r["floor_ms"]
         step = r["forward"] + r["lm_head"]
         engine = f"{r['engine']:.2f}" if "engine" in r else ""
         decode = (f"{r['decode_step']:.2f} ({fl['linears'] + fl['lm_head']:.2f})"
                   if "decode_step" in r else "")
+        read = (f"{r['weights_read']:.2f} | {r['decode_over_read']:.2f}x"
+                if r.get("weights_read") is not None else " |")
         lines.append(f"| {r['dtype']} | {r['context']} | {r['rows']} | {r['forward']:.2f} | "
                      f"{r['linears']:.2f} ({fl['linears']:.2f}) | "
                      f"{r['attention and the rest']:.2f} | {r['lm_head']:.2f} "
-                     f"({fl['lm_head']:.2f}) | {step:.2f} | {engine} | {decode} |")
+                     f"({fl['lm_head']:.2f}) | {step:.2f} | {engine} | {decode} | {read} |")
     return "\n".join(lines)
 
 
@@ -166,6 +172,10 @@ def plot(data: dict, path: Path) -> None:
         left = [a + b for a, b in zip(left, ms)]
     ax.plot([r["floor_ms"]["linears"] + r["floor_ms"]["lm_head"] for r in rows], labels, "k|",
             markersize=14, label="floor (weight bytes / bandwidth)")
+    read = [(r["weights_read"], label) for r, label in zip(rows, labels)
+            if r.get("weights_read") is not None]
+    if read:
+        ax.plot(*zip(*read), "kx", markersize=8, label="its weights read alone")
     ax.invert_yaxis()
     ax.set(xlabel="ms", title=f"{data['title']} ({data['machine']['date']})")
     ax.legend(fontsize=7)
@@ -195,15 +205,17 @@ def main() -> None:
                   **precision_args(dtype))
         model = llm.engine.model
         floors = {k: b / bw / 1e6 for k, b in weight_bytes(model).items()}
-        decode = decode_ms_per_token(llm)
+        decode = decode_against_read(llm)
         for context in contexts:
             for n in rows_list:
                 r = {"dtype": dtype, "context": context, "rows": n,
                      **split(llm, context, n, a.repeats), "floor_ms": floors,
                      "weight_bytes": weight_bytes(model)}
                 if n == 1 and context == DECODE_CONTEXT:
-                    r["decode_step"] = decode
-                    r["engine"] = decode - r["forward"] - r["lm_head"]
+                    r["decode_step"] = decode["decode_ms"]
+                    r["engine"] = decode["decode_ms"] - r["forward"] - r["lm_head"]
+                    r["weights_read"], r["decode_over_read"] = (decode["read_ms"],
+                                                                decode["over_read"])
                 rows.append(r)
                 print(json.dumps(r), flush=True)
         del llm, model

@@ -339,6 +339,25 @@ def test_prompt_ms_times_a_prompt_of_the_given_length(llama_dir):
     assert fed == [40, 40, 40]            # a warm-up and two timed runs, one prompt step each
 
 
+def test_decode_against_read_pairs_each_decode_timing_with_the_reads_around_it(llama_dir,
+                                                                               monkeypatch):
+    from specserve import LLM
+    from specserve.bench import probes
+    from specserve.kernels.cpu import load_library
+    llm = LLM(str(llama_dir), device="cpu")
+    decodes, reads = iter([4.0, 9.0, 6.0]), iter([2.0, 2.0, 4.0, 2.0])
+    monkeypatch.setattr(probes, "_decode_ms", lambda llm, tokens: next(decodes))
+    real_read = probes.weights_read_ms
+    monkeypatch.setattr(probes, "weights_read_ms", lambda model: next(reads))
+    got = probes.decode_against_read(llm, repeats=3)
+    # each decode over the mean of the reads before and after it: 4/2, 9/3, 6/3
+    assert got == {"decode_ms": 6.0, "read_ms": 2.0, "over_read": 2.0}
+    monkeypatch.setattr(probes, "weights_read_ms", real_read)
+    if load_library() is not None:          # the kernel's weights: a read takes time
+        assert real_read(llm.engine.model, repeats=2) > 0
+    assert real_read(LLM(str(llama_dir), device="cpu", cpu_kernel=False).engine.model) is None
+
+
 def test_draft_model_plus_parallel_drafts_with_the_zoos_pard_draft(tmp_path):
     got = configs(_args("--methods", "draft_model,draft_model+parallel+k=8,"
                         "draft_model+parallel@other"))

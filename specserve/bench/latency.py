@@ -20,7 +20,7 @@ import torch
 from specserve.bench import report
 from specserve.bench.methods import add_common_args, configs, resolve_models
 from specserve.bench.probes import (
-    decode_ms_per_token,
+    decode_against_read,
     machine,
     memory_bandwidth_gbs,
     prompt_ms,
@@ -190,7 +190,7 @@ def main(argv: list[str]) -> None:
                                              dtype, cpu_kernel=False, device=dev))
     floor_runners += [Runner(f"specserve no-spec, {d}", a.target, None, d, device=dev)
                       for d in dtypes[1:]]
-    decode = {r.name: decode_ms_per_token(r.llm) for r in floor_runners}
+    against = {r.name: decode_against_read(r.llm) for r in floor_runners}
     resident = {r.name: r.resident_mb for r in floor_runners}
     step_rows = [1, 2, 4, 5, 8, 16]
     steps = {r.name: [step_ms(r.llm, n) for n in step_rows] for r in floor_runners}
@@ -213,7 +213,10 @@ def main(argv: list[str]) -> None:
                          "speculative_config_extra": a.spec_extra,
                          "configs": {m: spec for m, (_, spec) in specs.items()}},
             "bandwidth_gbs": bw, "weight_bytes": wb, "weight_bytes_streamed": streamed,
-            "decode_ms_per_token": decode, "resident_mb": resident,
+            "decode_ms_per_token": {n: v["decode_ms"] for n, v in against.items()},
+            "weights_read_ms": {n: v["read_ms"] for n, v in against.items()},
+            "decode_over_read": {n: v["over_read"] for n, v in against.items()},
+            "resident_mb": resident,
             "weight_bytes_streamed_by_config": streamed_by,
             "step_ms": {"rows": step_rows, "by_config": steps},
             "prompt_ms": {"lengths": lengths, "by_config": prefill},

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from specserve.inputs import TokensPrompt
-from specserve.kernels.cpu import cpu_flags
+from specserve.kernels.cpu import cpu_flags, load_library, read_once
 from specserve.llm import LLM
 from specserve.models.metadata import build_metadata
 from specserve.sampling_params import SamplingParams
@@ -88,12 +88,53 @@ def prompt_ms(llm, n: int, repeats: int = 5) -> float:
     return statistics.median(times[1:]) * 1e3
 
 
+def _decode_ms(llm, tokens: int) -> float:
+    return (greedy_seconds(llm, tokens) - greedy_seconds(llm, 1)) / (tokens - 1) * 1e3
+
+
 def decode_ms_per_token(llm, tokens: int = 128, repeats: int = 5) -> float:
     """Batch-1 greedy decode time per token without the prompt's cost: the median over
     repeats of (time for `tokens` tokens - time for 1 token) / (tokens - 1), 64-token prompt."""
     greedy_seconds(llm, 8)
-    return statistics.median((greedy_seconds(llm, tokens) - greedy_seconds(llm, 1))
-                             / (tokens - 1) for _ in range(repeats)) * 1e3
+    return statistics.median(_decode_ms(llm, tokens) for _ in range(repeats))
+
+
+def weights_read_ms(model: torch.nn.Module, repeats: int = 5) -> float | None:
+    """Median ms to read once, doing nothing else, the weights the CPU kernel streams in a
+    decode step (`read_once`; the norms' few KB left out): the floor of a step measured on
+    the very bytes it reads. On a VM equal buffers read at rates up to half apart depending
+    on where their pages landed, so a fresh buffer's bandwidth says little about the weights'.
+    None where the kernel holds no weights (the PyTorch path, a GPU)."""
+    lib = load_library()
+    weights = [m.kernel_weight for m in model.modules()
+               if getattr(m, "kernel_weight", None) is not None]
+    if lib is None or not weights:
+        return None
+    times = []
+    for _ in range(repeats + 1):                          # the first run warms up
+        t = time.perf_counter()
+        read_once(lib, weights)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:]) * 1e3
+
+
+def decode_against_read(llm, tokens: int = 128, repeats: int = 5) -> dict[str, float | None]:
+    """decode_ms_per_token's timings, each between two `weights_read_ms` of the target: the
+    medians of the decode ms ("decode_ms"), of the reads ("read_ms") and of each timing over
+    the mean of its two reads ("over_read"). The machine's bandwidth drifts between timings on
+    a shared host; a ratio taken across the same seconds does not drift with it. read_ms and
+    over_read are None without the kernel."""
+    model = llm.engine.model
+    greedy_seconds(llm, 8)
+    reads, decodes, ratios = [weights_read_ms(model)], [], []
+    for _ in range(repeats):
+        decodes.append(_decode_ms(llm, tokens))
+        reads.append(weights_read_ms(model))
+        if reads[0] is not None:
+            ratios.append(decodes[-1] / ((reads[-2] + reads[-1]) / 2))
+    return {"decode_ms": statistics.median(decodes),
+            "read_ms": statistics.median(reads) if ratios else None,
+            "over_read": statistics.median(ratios) if ratios else None}
 
 
 @torch.inference_mode()

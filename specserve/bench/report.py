@@ -130,11 +130,15 @@ def latency_table(results: list[dict], dtypes: list[str] = ()) -> str:
 
 
 def _floor(data: dict, name: str) -> str:
-    """" (floor F ms, R MB resident)": the configuration's bytes streamed per step over the
-    measured bandwidth, and the memory its engine took (newer runs only)."""
+    """" (floor F ms, weights read W ms: decode Dx that, R MB resident)": the configuration's
+    bytes streamed per step over the measured bandwidth, the time to read those weights alone
+    with the decode's ratio to it, and the memory its engine took (newer runs only)."""
     streamed = data.get("weight_bytes_streamed_by_config", {}).get(name)
+    read = data.get("weights_read_ms", {}).get(name)
     resident = data.get("resident_mb", {}).get(name)
     parts = ([] if streamed is None else [f"floor {streamed / data['bandwidth_gbs'] / 1e6:.2f} ms"]
+             ) + ([] if read is None else [f"weights read {read:.2f} ms: decode "
+                                           f"{data['decode_over_read'][name]:.2f}x that"]
              ) + ([] if resident is None else [f"{_mb(resident)} MB resident"])
     return f" ({', '.join(parts)})" if parts else ""
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels.cpu import linear_rows, load_library, pack_weight
+from specserve.kernels.cpu import linear_rows, load_library, pack_weight, read_once
 from specserve.kv_cache import KVCache
 from specserve.models.cpu_backend import KernelLayer, llama_forward, use_decode_linears
 from specserve.models.loader import load_model
@@ -55,6 +55,26 @@ def test_linear_rows_matches_linear_for_any_shape_and_row_count():
                     assert torch.equal(y[-1:], linear_rows(lib, x[-1:], packed, bias, out))
                     if bf16_valued:     # the float32 layout's products, summed in its order
                         assert torch.equal(y, linear_rows(lib, x, as_f32, bias, out))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_read_once_reads_every_word_of_every_tensor_once(threads):
+    """The XOR of every 32-bit word read: a word read twice, or not at all, changes it (the
+    tails past a multiple of 256 bytes are left out, as documented)."""
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+               for n in (64, 64 * 37, 64 * 1000 + 5)]
+    expect = 0
+    for t in tensors:
+        for w in t[: t.numel() // 64 * 64].tolist():
+            expect ^= w
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert read_once(load_library(), tensors) == expect != 0
+        assert read_once(load_library(), tensors[:2] + tensors[1:2]) != expect
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_linear_rows_with_bfloat16_inputs_sums_their_exact_products():

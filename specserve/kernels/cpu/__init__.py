@@ -18,6 +18,7 @@ from specserve.kernels.cpu.binding import (
                                            pack_weight,
                                            quantize_blocks,
                                            quantize_int8,
+                                           read_once,
                                            rms_norm_rows,
                                            shm_numel,
                                            weight_mode,
@@ -27,5 +28,5 @@ __all__ = ["BLOCK_TYPES", "CpuLayer", "HeadChain", "KVWriter", "LlamaChain", "Ll
            "SharedMemoryAllReduce", "SharedMemoryChannel", "cpu_features",
            "cpu_flags", "kernel_step",
            "linear_rows", "load_library", "max_rows", "pack_weight",
-           "quantize_blocks", "quantize_int8", "rms_norm_rows", "shm_numel",
+           "quantize_blocks", "quantize_int8", "read_once", "rms_norm_rows", "shm_numel",
            "weight_mode"]

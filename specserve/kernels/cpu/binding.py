@@ -152,6 +152,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.specserve_linear.restype = ctypes.c_int
     lib.specserve_rms_norm.argtypes = [_P, _P, ctypes.c_float, _I64, _I64, _P]
     lib.specserve_rms_norm.restype = None
+    lib.specserve_stream.argtypes = [_P, _P, _I64, ctypes.c_int]
+    lib.specserve_stream.restype = _I64
     for name, args in (("layer", _LayerArgs), ("head_chain", _HeadChainArgs),
                        ("llama_chain", _LlamaChainArgs), ("llama_forward", _LlamaForwardArgs),
                        ("write_kv", _WriteKVArgs), ("all_reduce", _AllReduceArgs),
@@ -303,6 +305,16 @@ def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
                             y.data_ptr(), out_features, 0, torch.get_num_threads()):
         raise MemoryError("linear_rows: could not allocate the step's scratch memory")
     return y
+
+
+def read_once(lib: ctypes.CDLL, tensors: list[torch.Tensor]) -> int:
+    """Reads the tensors' bytes once, in order, on torch's threads, and does nothing else
+    (specserve_stream; a tensor's tail past a multiple of 256 bytes is left): what streaming
+    them costs at the least, from wherever their pages lie. Returns the XOR of the 32-bit
+    words read."""
+    ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    sizes = (ctypes.c_int64 * len(tensors))(*[t.nbytes for t in tensors])
+    return lib.specserve_stream(ptrs, sizes, len(tensors), torch.get_num_threads())
 
 
 def rms_norm_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor,

@@ -805,6 +805,43 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
     return 0;
 }
 
+/* Reads the n buffers (ptrs[i], bytes[i] each, the tail past a multiple of 256 left) once,
+ * in order, on nthreads threads, each taking a contiguous share of every buffer (as
+ * specserve_linear shares a weight's tiles) and going on to the next without waiting for
+ * the others, asking PREFETCH ahead as the tiles do: no arithmetic but an XOR of what it
+ * loads, so its time bounds from below a pass that streams those very bytes. Four lines per
+ * iteration, each with its own XOR chain: one line at a time read a third slower. Returns
+ * the XOR (kept live). */
+int64_t specserve_stream(const void *const *ptrs, const int64_t *bytes, int64_t n,
+                         int nthreads) {
+    enum { L = 64 / sizeof(vi), U = 4 };       /* vectors a cache line holds; lines a step */
+    vi acc = {0};
+    #pragma omp parallel num_threads(nthreads)
+    {
+        vi a[U][L] = {{{0}}};
+        for (int64_t b = 0; b < n; b++) {
+            const char *p = ptrs[b];
+            #pragma omp for schedule(static) nowait
+            for (int64_t s = 0; s < bytes[b] / (64 * U); s++)
+                for (int u = 0; u < U; u++) {
+                    const char *line = p + (s * U + u) * 64;
+                    __builtin_prefetch(line + PREFETCH);
+                    for (int k = 0; k < L; k++) {
+                        vi v;
+                        memcpy(&v, line + k * sizeof(vi), sizeof v);
+                        a[u][k] ^= v;
+                    }
+                }
+        }
+        #pragma omp critical
+        for (int u = 0; u < U; u++)
+            for (int k = 0; k < L; k++) acc ^= a[u][k];
+    }
+    int64_t r = 0;
+    for (int i = 0; i < VL; i++) r ^= acc[i];
+    return r;
+}
+
 /* y = weight * x / sqrt(mean(x^2) + eps) over rows of length n */
 static void rms_norm(const float *x, const float *weight, float eps, int64_t rows, int64_t n,
                      int64_t ldx, int64_t ldy, float *y) {
