@@ -73,6 +73,27 @@ def test_method_plus_tree_drafts_the_token_tree():
             configs(_args("--methods", bad, "--token-tree", tree))
 
 
+def test_a_chat_set_is_rendered_through_the_targets_chat_template(smollm2):
+    from specserve.bench.methods import prompt_set
+    from specserve.data.prompts import PROMPT_SETS
+    raw, rendered = PROMPT_SETS["chat"](2), prompt_set("chat", 2, "smollm2-135m-instruct")
+    assert [r.count(p) for p, r in zip(raw, rendered)] == [1, 1]
+    assert all(r.startswith("<|im_start|>") and r.endswith("<|im_start|>assistant\n")
+               for r in rendered)
+    assert prompt_set("completion", 2, "smollm2-135m-instruct") == PROMPT_SETS["completion"](2)
+
+
+def test_bench_tree_writes_the_best_trees_of_each_size(tmp_path):
+    import json
+
+    from specserve.bench import tree
+    tree.main(["tree", "--max-depth", "2", "--max-rank-sum", "1", "--sizes", "1,3",
+               "--prompt-sets", "completion", "--num-prompts", "1", "--max-tokens", "8",
+               "--device", DEVICE, "--out", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert len(data["node_rates"]) == 5 and [r["nodes"] for r in data["rows"]][0] == 1
+
+
 def test_method_plus_k_conf_and_lookup_set_k_the_threshold_and_lookup():
     got = configs(_args("--methods", "eagle3,eagle3+k=8+conf=0.2,draft_model+conf=0.3,"
                         "eagle3+lookup=3"))

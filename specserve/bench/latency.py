@@ -18,7 +18,7 @@ import time
 import torch
 
 from specserve.bench import report
-from specserve.bench.methods import add_common_args, configs, resolve_models
+from specserve.bench.methods import add_common_args, configs, prompt_set, resolve_models
 from specserve.bench.probes import (
     decode_against_read,
     machine,
@@ -28,9 +28,6 @@ from specserve.bench.probes import (
     weight_bytes,
 )
 from specserve.bench.runners import Result, SpecserveRunner, TransformersRunner
-from specserve.data.prompts import CHAT_SETS, PROMPT_SETS
-from specserve.models.catalogue import resolve_model
-from specserve.models.loader import load_tokenizer
 from specserve.token_tree import TokenTree
 
 
@@ -136,11 +133,7 @@ def main(argv: list[str]) -> None:
     Runner = functools.partial(SpecserveRunner, max_num_seqs=max(batches))
     bw = memory_bandwidth_gbs(dev)
     for set_name in a.prompt_sets.split(","):
-        prompts = PROMPT_SETS[set_name](a.num_prompts)
-        if set_name in CHAT_SETS:
-            tok = load_tokenizer(resolve_model(a.target))
-            prompts = [tok.apply_chat_template([{"role": "user", "content": p}])
-                       for p in prompts]
+        prompts = prompt_set(set_name, a.num_prompts, a.target)
         for batch in batches:
             # Fresh engines per suite so acceptance statistics belong to this suite only.
             runners = [Runner("specserve no-spec", a.target, None, dtype, device=dev)]

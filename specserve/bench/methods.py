@@ -9,8 +9,10 @@ from pathlib import Path
 
 from specserve import methods
 from specserve.bench import random_models
+from specserve.data.prompts import CHAT_SETS, PROMPT_SETS
 from specserve.data.zoo import head_dir
-from specserve.models.catalogue import CATALOGUE
+from specserve.models.catalogue import CATALOGUE, resolve_model
+from specserve.models.loader import load_tokenizer
 
 
 def drafter_dir(target: str, method: str) -> str:
@@ -149,3 +151,13 @@ def configs(a: argparse.Namespace) -> dict[str, tuple[str, dict]]:
             continue
         out[name] = (model, spec | extra)
     return out
+
+
+def prompt_set(name: str, num: int, target: str) -> list[str]:
+    """`num` prompts of the set `name`, a chat set's rendered through `target`'s chat template
+    (its drafters were trained on answers to templated user messages)."""
+    prompts = PROMPT_SETS[name](num)
+    if name not in CHAT_SETS:
+        return prompts
+    tok = load_tokenizer(resolve_model(target))
+    return [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

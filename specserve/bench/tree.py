@@ -16,9 +16,8 @@ import itertools
 
 from specserve import methods
 from specserve.bench import report
-from specserve.bench.methods import spec_config
+from specserve.bench.methods import prompt_set, spec_config
 from specserve.bench.probes import machine
-from specserve.data.prompts import PROMPT_SETS
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 from specserve.token_tree import TokenTree
@@ -72,6 +71,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--title", default="Draft tree nodes: acceptance and best trees")
     report.add_output_args(p)
     a = p.parse_args(argv)
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> None:
     sets = a.prompt_sets.split(",")
     rates = [0.0] * len(tree)
     for name in sets:
-        r = node_rates(model, spec, PROMPT_SETS[name](a.num_prompts), a.max_tokens,
+        r = node_rates(model, spec, prompt_set(name, a.num_prompts, a.target), a.max_tokens,
                        a.temperature, a.dtype, a.device)
         print(f"{name}: tau of the whole {len(tree)}-node tree {1 + sum(r):.2f}", flush=True)
         rates = [x + y / len(sets) for x, y in zip(rates, r)]
