@@ -227,6 +227,36 @@ def test_a_draft_tree_after_a_long_context_attends_as_the_pytorch_path(tmp_path)
     assert (outs[0] - outs[1]).abs().max() <= 1e-4
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_a_draft_tree_node_equals_the_decode_of_its_path_bit_for_bit(kv_dtype, tmp_path):
+    """Lossless greedy trees in every precision: a node's row sees its context and its
+    ancestors at other KV positions than a decode of its path would (and its step more keys),
+    yet comes out bit for bit as that decode (a bfloat16 or int8 model rounds its activations,
+    which turns an ulp of difference into a different token now and then). Contexts that put
+    the tree's keys in another block of 16 than the decode's, and in the same."""
+    from specserve.models.metadata import build_tree_metadata, tree_rows
+    from tests.conftest import make_hf_model
+    make_hf_model("llama", tmp_path, **LONG)
+    parents, feed = [-1, -1, 0, 0, 2, 1], [3, 11, 12, 13, 14, 15, 16]   # the last token, nodes
+    for n in (37, 44, 45):
+        prompt = torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        model, cache = _stepper(tmp_path, kv_dtype=kv_dtype)
+        _step(model, cache, [prompt], [0], [0])
+        store, rope, ctx, extra = tree_rows(n, 1, parents, len(parents))
+        md = build_tree_metadata([0], [store], [ctx], [extra], torch.device("cpu"))
+        with torch.inference_mode():
+            tree = model(torch.tensor(feed), torch.tensor(rope), md, cache.layers).clone()
+        for node in range(len(parents)):
+            path = [node]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            tokens = [feed[0]] + [feed[1 + i] for i in reversed(path)]
+            model, cache = _stepper(tmp_path, kv_dtype=kv_dtype)
+            _step(model, cache, [prompt], [0], [0])
+            rows = [_step(model, cache, [[t]], [n + i], [0]) for i, t in enumerate(tokens)]
+            assert torch.equal(tree[1 + node], rows[-1][0]), (n, node)
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_wide_heads_attend_as_transformers_does(head_dim, tmp_path):
     """Heads wider than the kernel's one pass over the values (Llama-3-8B's and Qwen3's 128)

@@ -888,8 +888,26 @@ static float softmax_weights(float *x, int64_t L, const uint8_t *keep) {
         if (!keep || keep[j]) m = x[j] > m ? x[j] : m;
     for (j = 0; j < L; j++) x[j] -= m;
     exp_array(x, x, L);
-    if (keep)
-        for (j = 0; j < L; j++) x[j] = keep[j] ? x[j] : 0.f;
+    if (keep) {
+        /* The kept weights summed as if they lay side by side, in the lanes and order the
+         * causal sum below gives them: a draft-tree node (its ancestors at other positions
+         * than its path's decode puts them) then sums exactly as that decode does. */
+        int64_t n = 0;
+        for (j = 0; j < L; j++) {
+            if (keep[j]) n++;
+            else x[j] = 0.f;
+        }
+        float lanes[VL] = {0};
+        int64_t c = 0;
+        for (j = 0; j < L && c < n - n % VL; j++)
+            if (keep[j]) lanes[c++ % VL] += x[j];
+        vf s;
+        memcpy(&s, lanes, sizeof s);
+        sum = hsum(s);
+        for (; j < L; j++)
+            if (keep[j]) sum += x[j];
+        return sum;
+    }
     vf s = {0};
     for (j = 0; j + VL <= L; j += VL) s += loadv(x + j);
     sum = hsum(s);
