@@ -91,7 +91,8 @@ def test_bench_tree_writes_the_best_trees_of_each_size(tmp_path):
                "--prompt-sets", "completion", "--num-prompts", "1", "--max-tokens", "8",
                "--device", DEVICE, "--out", str(tmp_path)])
     data = json.loads(next(tmp_path.glob("*.json")).read_text())
-    assert len(data["node_rates"]) == 5 and [r["nodes"] for r in data["rows"]][0] == 1
+    assert len(data["node_rates"]) == len(data["node_paths"]) == 5
+    assert [r["nodes"] for r in data["rows"]][0] == 1 and list(tmp_path.glob("*.png"))
 
 
 def test_method_plus_k_conf_and_lookup_set_k_the_threshold_and_lookup():

@@ -299,9 +299,10 @@ def markdown(data: dict) -> str:
 
 
 def plot(data: dict, path: Path) -> bool:
-    """The run's PNG (latency: tokens/s per suite; serve: throughput and TPOT by concurrency);
-    False for a benchmark without one."""
-    if data["benchmark"] not in ("latency", "serve", "prefix"):
+    """The run's PNG (latency: tokens/s per suite; serve: throughput and TPOT by concurrency;
+    prefix: time to first token per request; tree: expected tau by tree size); False for a
+    benchmark without one."""
+    if data["benchmark"] not in ("latency", "serve", "prefix", "tree"):
         return False
     import matplotlib
     matplotlib.use("Agg")
@@ -326,6 +327,19 @@ def plot(data: dict, path: Path) -> bool:
                 ax.plot(n, [r[key] for r in w["requests"]], "o-", label=label)
             ax.set(title=name, xlabel="request", ylabel="time to first token (ms)")
             ax.legend(fontsize=8)
+    elif data["benchmark"] == "tree":
+        rows, rates = data["rows"], data["node_rates"]
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.plot([r["nodes"] for r in rows], [r["expected_tau"] for r in rows], "o-",
+                label="best tree of n nodes")
+        # the chain's nodes are (0,), (0, 0), ...: 1 + its first n rates
+        chain = [i for i, q in enumerate(data["node_paths"]) if set(q) == {0}]
+        ax.plot(range(1, len(chain) + 1), [1 + sum(rates[i] for i in chain[:n])
+                                           for n in range(1, len(chain) + 1)], "s--",
+                label="chain of n drafts")
+        ax.set(xlabel="draft nodes", ylabel="expected tau",
+               title=f"{data['settings']['method']} on {data['settings']['target']}")
+        ax.legend(fontsize=8)
     else:
         rows = data["rows"]
         fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))

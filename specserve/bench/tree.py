@@ -98,7 +98,7 @@ def main(argv: list[str]) -> None:
                          "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
                          "temperature": a.temperature, "measured_nodes": len(tree),
                          "max_depth": a.max_depth, "max_rank_sum": a.max_rank_sum},
-            "node_rates": rates,
+            "node_paths": [list(q) for q in tree.paths], "node_rates": rates,
             "rows": [{"nodes": n, "expected_tau": tau, "tree": str([tuple(q) for q in t.paths])}
                      for n, tau, t in rows]}
     print(report.save(data, a.out, a.publish))
