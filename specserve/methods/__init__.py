@@ -112,7 +112,11 @@ def detect_method(model: str | None, target: str | None = None) -> str:
 # method "auto" picks the first of these it finds for the target (the selection guide: a head
 # trained on the target's own outputs first, a draft model after, lookup when there is none)
 AUTO_ORDER = ("eagle3", "mtp", "dflash", "eagle", "draft_model", "medusa", "mlp_speculator")
-AUTO_K = 3          # its K when none is given and the drafter's checkpoint gives none
+AUTO_K = 5          # its K when none is given and the drafter's checkpoint gives none
+# A drafter that drafts token by token stops where it is unsure: with it the longer K drafts
+# past what it is sure of only when it pays (SmolLM2's EAGLE-3 head on 2 CPU cores: K=5 with it
+# 2.19x / 1.66x chat / code in bfloat16, K=3 without 1.98x / 1.63x, benchmarks/README)
+AUTO_CONFIDENCE = 0.3
 
 
 def _choose_auto(config: SpeculativeConfig, target: str | None) -> None:
@@ -136,6 +140,10 @@ def _choose_auto(config: SpeculativeConfig, target: str | None) -> None:
     if config.method != ngram.SPEC.name:
         config.hybrid_prompt_lookup = config.hybrid_prompt_lookup or 2
         why += ", prompt lookup for requests that repeat their context"
+    if (get(config.method).steps_drafts and not config.draft_confidence_threshold
+            and config.speculative_token_tree is None and not config.parallel_drafting):
+        config.draft_confidence_threshold = AUTO_CONFIDENCE
+        why += f", drafting stopped below confidence {AUTO_CONFIDENCE}"
     config.adaptive_k = True
     config.auto_choice = why + "; K per step from measured acceptance and step times"
 
