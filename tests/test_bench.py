@@ -95,6 +95,12 @@ def test_bench_tree_writes_the_best_trees_of_each_size(tmp_path):
     assert [r["nodes"] for r in data["rows"]][0] == 1 and list(tmp_path.glob("*.png"))
 
 
+def test_auto_is_benchmarked_as_a_user_gets_it_unless_k_is_given():
+    got = configs(_args("--methods", "auto,auto+k=4", "--num-speculative-tokens", "3"))
+    assert got["auto"][1] == {"method": "auto"}
+    assert got["auto+k=4"][1] == {"method": "auto", "num_speculative_tokens": 4}
+
+
 def test_method_plus_k_conf_and_lookup_set_k_the_threshold_and_lookup():
     got = configs(_args("--methods", "eagle3,eagle3+k=8+conf=0.2,draft_model+conf=0.3,"
                         "eagle3+lookup=3"))

@@ -28,6 +28,7 @@ from specserve.bench.probes import (
     weight_bytes,
 )
 from specserve.bench.runners import Result, SpecserveRunner, TransformersRunner
+from specserve.methods import AUTO_K
 from specserve.token_tree import TokenTree
 
 
@@ -87,6 +88,8 @@ def draft_used(draft: str, specs: dict[str, tuple[str, dict]], transformers: boo
 def _k_label(spec: dict) -> str:
     if spec.get("speculative_token_tree"):
         return f"tree of {len(TokenTree.parse(spec['speculative_token_tree']))}"
+    if "num_speculative_tokens" not in spec:        # auto: its own K and threshold
+        return f"K<={AUTO_K}"
     label = f"K={spec['num_speculative_tokens']}"
     if spec.get("draft_confidence_threshold"):
         label += f", conf >= {spec['draft_confidence_threshold']:g}"

@@ -23,8 +23,8 @@ def drafter_dir(target: str, method: str) -> str:
 
 def spec_config(method: str, k: int, target: str, draft: str) -> tuple[str, dict]:
     """The model a benchmark loads for `method` and its speculative_config with K = k."""
-    if method == "auto":                        # it finds its drafter itself; K is its cap
-        return target, {"method": "auto", "num_speculative_tokens": k}
+    if method == "auto":        # it finds its drafter and its K itself, as a user's "auto" does
+        return target, {"method": "auto"}
     try:
         m = methods.get(method)
     except ValueError:
