@@ -113,9 +113,8 @@ def detect_method(model: str | None, target: str | None = None) -> str:
 # trained on the target's own outputs first, a draft model after, lookup when there is none)
 AUTO_ORDER = ("eagle3", "mtp", "dflash", "eagle", "draft_model", "medusa", "mlp_speculator")
 AUTO_K = 5          # its K when none is given and the drafter's checkpoint gives none
-# A drafter that drafts token by token stops where it is unsure: with it the longer K drafts
-# past what it is sure of only when it pays (SmolLM2's EAGLE-3 head on 2 CPU cores: K=5 with it
-# 2.19x / 1.66x chat / code in bfloat16, K=3 without 1.98x / 1.63x, benchmarks/README)
+# A drafter that drafts token by token stops where it is unsure, so the larger K costs its
+# extra passes only where they are likely accepted (measured: benchmarks/README, SmolLM2)
 AUTO_CONFIDENCE = 0.3
 
 
