@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.bench.methods import prompt_set
 from specserve.bench.probes import machine, memory_bandwidth_gbs, weight_bytes
 from specserve.bench.random_models import resolve
 from specserve.bench.report import median_cell, published_suffix
@@ -52,7 +53,6 @@ from specserve.bench.runners import precision_args
 from specserve.data.prompts import PROMPT_SETS
 from specserve.kernels.cpu import cpu_flags
 from specserve.models.catalogue import bundled_drafters, resolve_model
-from specserve.models.loader import load_tokenizer
 from specserve.train.draft_states import write_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -236,9 +236,7 @@ def gguf_runs(a: argparse.Namespace, src: Path, ks: list[int], streamed: dict[tu
     shipped = Path(resolve_model(a.gguf))
     texts = PROMPT_SETS["chat"](8) + PROMPT_SETS["code"](8)
     quality["float32 (the shipped weights)"] = bits_per_byte(str(shipped), {}, texts)
-    tok = load_tokenizer(str(shipped))
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}])
-               for p in PROMPT_SETS["chat"](a.num_prompts)]
+    prompts = prompt_set("chat", a.num_prompts, a.gguf)
     name = f"{a.gguf} ({shipped.name}), held-out chat prompts"
     heads = {d.removeprefix(f"{a.gguf}-"): d for d in bundled_drafters(a.gguf)}
     runs: dict[tuple, Callable[[], float]] = {}
