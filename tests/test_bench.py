@@ -101,6 +101,21 @@ def test_auto_is_benchmarked_as_a_user_gets_it_unless_k_is_given():
     assert got["auto+k=4"][1] == {"method": "auto", "num_speculative_tokens": 4}
 
 
+def test_auto_is_labelled_with_the_k_and_threshold_it_settles_for_its_target(smollm2):
+    from specserve.bench.latency import _k_label
+    from specserve.methods import AUTO_CONFIDENCE, AUTO_K
+    # the toy target has no drafter of its own: lookup, AUTO_K; a target with an MTP layer
+    # drafts with it, at the one token the layer predicts, stopping where it is unsure
+    assert _k_label({"method": "auto"}, "models/code-target") == f"K<={AUTO_K}"
+    assert (_k_label({"method": "auto"}, "models/code-target-mtp")
+            == f"K<=1, conf >= {AUTO_CONFIDENCE:g}")
+    assert _k_label({"method": "auto", "num_speculative_tokens": 2},
+                    "models/code-target") == "K<=2"
+    # a catalogue name, as bench takes it: its bundled EAGLE-3 head
+    assert (_k_label({"method": "auto"}, "smollm2-135m-instruct")
+            == f"K<={AUTO_K}, conf >= {AUTO_CONFIDENCE:g}")
+
+
 def test_method_plus_k_conf_and_lookup_set_k_the_threshold_and_lookup():
     got = configs(_args("--methods", "eagle3,eagle3+k=8+conf=0.2,draft_model+conf=0.3,"
                         "eagle3+lookup=3"))

@@ -28,7 +28,8 @@ from specserve.bench.probes import (
     weight_bytes,
 )
 from specserve.bench.runners import Result, SpecserveRunner, TransformersRunner
-from specserve.methods import AUTO_K
+from specserve.methods import resolve_speculative_config
+from specserve.models.catalogue import resolve_model
 from specserve.token_tree import TokenTree
 
 
@@ -85,15 +86,15 @@ def draft_used(draft: str, specs: dict[str, tuple[str, dict]], transformers: boo
                                for _, spec in specs.values())
 
 
-def _k_label(spec: dict) -> str:
+def _k_label(spec: dict, target: str) -> str:
     if spec.get("speculative_token_tree"):
         return f"tree of {len(TokenTree.parse(spec['speculative_token_tree']))}"
-    if "num_speculative_tokens" not in spec:        # auto: its own K and threshold
-        return f"K<={AUTO_K}"
-    label = f"K={spec['num_speculative_tokens']}"
-    if spec.get("draft_confidence_threshold"):
-        label += f", conf >= {spec['draft_confidence_threshold']:g}"
-    return label
+    if spec.get("method") == "auto":     # its K and threshold as it settles them for target
+        config = resolve_speculative_config(spec, resolve_model(target))
+        label, conf = f"K<={config.num_speculative_tokens}", config.draft_confidence_threshold
+    else:
+        label, conf = f"K={spec['num_speculative_tokens']}", spec.get("draft_confidence_threshold")
+    return label + (f", conf >= {conf:g}" if conf else "")
 
 
 def main(argv: list[str]) -> None:
@@ -156,7 +157,7 @@ def main(argv: list[str]) -> None:
                 if tag:
                     runners.append(Runner(f"specserve no-spec{tag}", a.target, None, d,
                                                    device=dev))
-                runners += [Runner(f"specserve {m} ({_k_label(spec)}){tag}", model, spec,
+                runners += [Runner(f"specserve {m} ({_k_label(spec, model)}){tag}", model, spec,
                                             d, device=dev) for m, (model, spec) in specs.items()]
             if not a.no_transformers and batch == 1:
                 # no quantized weights there
