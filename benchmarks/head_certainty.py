@@ -54,10 +54,10 @@ def main() -> None:
         # row t drafts token t + 2, which the target predicts at position t + 1
         greedy = logp[0, 1:].argmax(-1)                                       # [S - 1]
         top1 = logp[0, 1:].max(-1).values.exp()
-        start = len(o.prompt_token_ids) - 2        # rows whose token t + 2 is an answer token
-        sure += top1[start:].tolist()
-        hit += (drafts[start:] == greedy[start:]).tolist()
-        can += vocab[greedy[start:]].tolist()
+        answered = slice(len(o.prompt_token_ids) - 2, -1)   # rows whose token t + 2 is answer
+        sure += top1[answered].tolist()
+        hit += (drafts[answered] == greedy[answered]).tolist()
+        can += vocab[greedy[answered]].tolist()
     n = len(sure)
     print(f"{a.head} on {a.target}: {n} answer positions of {len(outs)} held-out chat answers, "
           f"first draft = target's greedy token {sum(hit) / n:.1%}")
