@@ -136,6 +136,7 @@ def main(argv: list[str]) -> None:
     # KV slots for the largest batch only: a 1B target's 16 slots of 1024 positions take 1 GB
     Runner = functools.partial(SpecserveRunner, max_num_seqs=max(batches))
     bw = memory_bandwidth_gbs(dev)
+    names = {m: f"specserve {m} ({_k_label(spec, model)})" for m, (model, spec) in specs.items()}
     for set_name in a.prompt_sets.split(","):
         prompts = prompt_set(set_name, a.num_prompts, a.target)
         for batch in batches:
@@ -157,8 +158,8 @@ def main(argv: list[str]) -> None:
                 if tag:
                     runners.append(Runner(f"specserve no-spec{tag}", a.target, None, d,
                                                    device=dev))
-                runners += [Runner(f"specserve {m} ({_k_label(spec, model)}){tag}", model, spec,
-                                            d, device=dev) for m, (model, spec) in specs.items()]
+                runners += [Runner(f"{names[m]}{tag}", model, spec, d, device=dev)
+                            for m, (model, spec) in specs.items()]
             if not a.no_transformers and batch == 1:
                 # no quantized weights there
                 dtype_hf = dtype if dtype in ("float32", "bfloat16") else "bfloat16"
