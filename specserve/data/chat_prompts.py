@@ -55,6 +55,41 @@ TEMPLATES = (
     "Write a short, friendly email to a colleague about {topic}.",
 )
 
+# A second pool (`chat_prompts(split, pool="more")`): new topics, and new kinds of request over
+# every topic, so that a drafter trained on both sees more than one phrasing per topic. Its
+# held-out prompts are split off by the same hash and never trained on.
+MORE_TOPICS = (
+    "tides", "earthquakes", "hurricanes", "rainbows", "clouds", "snow", "rivers", "caves",
+    "the immune system", "the brain", "bones and muscles", "digestion", "antibiotics",
+    "allergies", "eyesight", "hearing", "mushrooms", "trees", "flowers", "seeds", "ants",
+    "butterflies", "penguins", "octopuses", "wolves", "horses", "farming", "irrigation",
+    "fermentation", "soup", "spices", "vegetarian cooking", "home repairs", "painting a room",
+    "houseplants", "bicycles", "electric cars", "public transport", "city planning",
+    "lighthouses", "castles", "the Silk Road", "the Renaissance", "the Vikings",
+    "ancient Greece", "the Moon landing", "the telephone", "radio", "television",
+    "video games", "board games", "origami", "knitting", "pottery", "dance", "theater",
+    "film making", "podcasts", "journalism", "advertising", "negotiation", "leadership",
+    "parenting", "volunteering", "networking", "procrastination", "stress",
+)
+
+MORE_TEMPLATES = (
+    "Why does {topic} matter in everyday life?",
+    "Write a short dialogue between a teacher and a student about {topic}.",
+    "Give me a step-by-step guide to getting started with {topic}.",
+    "What is the history of {topic}, in brief?",
+    "Compare two different ways of thinking about {topic}.",
+    "Write a limerick about {topic}.",
+    "What are the pros and cons of {topic}?",
+    "Describe {topic} in exactly three sentences.",
+    "Create a short quiz with three questions about {topic}, and give the answers.",
+    "What would a world without {topic} look like?",
+    "Give me a simple analogy that explains {topic}.",
+    "Write a tweet-length summary of {topic}.",
+    "What careers are connected to {topic}?",
+    "Tell me a short story for children that involves {topic}.",
+    "What are common mistakes people make with {topic}, and how can they avoid them?",
+)
+
 # Asked of the target: its reply, stripped, is then a prompt of its own
 QUESTION_REQUEST = ("Write one question that a curious person might ask about {topic}. Reply "
                     "with the question only.")
@@ -67,6 +102,14 @@ def held_out(prompt: str, fraction_in_ten: int = 1) -> bool:
 
 def templated_prompts() -> list[str]:
     return [t.format(topic=topic) for topic in TOPICS for t in TEMPLATES]
+
+
+def more_prompts(num_code: int = 600) -> list[str]:
+    """The second pool: new templates over all topics, the old templates over the new topics,
+    and the code tasks after the first `num_code`."""
+    return ([t.format(topic=topic) for topic in TOPICS + MORE_TOPICS for t in MORE_TEMPLATES]
+            + [t.format(topic=topic) for topic in MORE_TOPICS for t in TEMPLATES]
+            + code_tasks()[num_code:])
 
 
 def question_requests() -> list[str]:
@@ -97,9 +140,13 @@ def code_tasks(limit: int | None = None) -> list[str]:
     return out
 
 
-def chat_prompts(split: str, num_code: int = 600) -> list[str]:
-    """The templated prompts and code tasks of `split` ("train" or "heldout"), in a fixed order."""
+def chat_prompts(split: str, num_code: int = 600, pool: str = "base") -> list[str]:
+    """The prompts of `split` ("train" or "heldout") in `pool` ("base": the templated prompts
+    and code tasks; "more": `more_prompts`), in a fixed order."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    everything = templated_prompts() + code_tasks(num_code)
+    if pool not in ("base", "more"):
+        raise ValueError(f"pool must be 'base' or 'more', got {pool!r}")
+    everything = (templated_prompts() + code_tasks(num_code) if pool == "base"
+                  else more_prompts(num_code))
     return [p for p in everything if held_out(p) == (split == "heldout")]

@@ -38,6 +38,9 @@ class ChatDataConfig:
         "help": "the most bytes of hidden states OUT/states may hold; a run that reaches it "
                 "stops, keeping its finished batches"})
     answer_seed: int = field(default=0, metadata={"help": "seed of the sampled answers"})
+    prompt_pool: str = field(default="base", metadata={
+        "help": "base: the templated prompts, code tasks and the target's own questions; more: "
+                "a second pool of new topics and kinds of request (data/chat_prompts.py)"})
 
     def temps(self) -> list[float]:
         return [float(t) for t in self.answer_temperatures.split(",") if t.strip()]
@@ -66,6 +69,8 @@ def _answered(done_dir: Path) -> list[tuple[str, float]]:
 def generate_chat_data(target: str, out: Path, cfg: ChatDataConfig) -> dict:
     """Answer the train split's prompts with `target`, writing hidden states and answers to
     `out` (resumable); returns a summary (also written to out/summary.json)."""
+    if cfg.prompt_pool not in ("base", "more"):
+        raise ValueError(f"--prompt-pool must be 'base' or 'more', got {cfg.prompt_pool!r}")
     out.mkdir(parents=True, exist_ok=True)
     staging = out / "staging"
     shutil.rmtree(staging, ignore_errors=True)          # a stopped batch's leftovers
@@ -74,7 +79,8 @@ def generate_chat_data(target: str, out: Path, cfg: ChatDataConfig) -> dict:
     llm = LLM(target, speculative_config={
         "method": "extract_hidden_states", "hidden_states_dir": str(staging),
         "hidden_states_max_bytes": max(0, cfg.states_max_bytes - kept)})
-    prompts = chat_prompts("train") + _written_questions(llm, out, cfg.answer_max_tokens)
+    prompts = (chat_prompts("train") + _written_questions(llm, out, cfg.answer_max_tokens)
+               if cfg.prompt_pool == "base" else chat_prompts("train", pool="more"))
     random.Random(cfg.answer_seed).shuffle(prompts)       # kinds mixed in any first N
     shutil.rmtree(staging, ignore_errors=True)           # the question requests' states
     staging.mkdir()
@@ -122,6 +128,6 @@ def generate_chat_data(target: str, out: Path, cfg: ChatDataConfig) -> dict:
                "hidden_state_bytes": sum(f.stat().st_size for f in files),
                "prompts": len(prompts), "temperatures": cfg.temps(),
                "max_tokens": cfg.answer_max_tokens,
-               "heldout_prompts": len(chat_prompts("heldout"))}
+               "heldout_prompts": len(chat_prompts("heldout", pool=cfg.prompt_pool))}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from specserve.data.chat_prompts import TOPICS, chat_prompts, code_tasks, held_out
+from specserve.data.chat_prompts import (MORE_TEMPLATES, MORE_TOPICS, TOPICS, chat_prompts,
+                                          code_tasks, held_out)
 
 
 def test_splits_are_disjoint_fixed_and_mixed():
@@ -21,6 +22,21 @@ def test_splits_are_disjoint_fixed_and_mixed():
         chat_prompts("test")
 
 
+def test_the_second_pool_is_new_prompts_split_the_same_way():
+    """pool="more": new topics and new kinds of request; its held-out part is split off by the
+    same hash, and no prompt of the base pool's held-out split can be in its training split."""
+    train, heldout = chat_prompts("train", pool="more"), chat_prompts("heldout", pool="more")
+    assert not set(train) & set(heldout)
+    assert not set(train) & set(chat_prompts("heldout"))
+    assert all(held_out(p) for p in heldout) and not any(held_out(p) for p in train)
+    assert len(set(train) & set(chat_prompts("train"))) < 0.01 * len(train)   # new prompts
+    assert any(any(t in p for t in MORE_TOPICS) for p in train)
+    assert any(p == MORE_TEMPLATES[0].format(topic=TOPICS[0]) for p in train + heldout)
+    assert any(p.startswith("Write a Python function") for p in train)
+    with pytest.raises(ValueError, match="pool must be 'base' or 'more'"):
+        chat_prompts("train", pool="all")
+
+
 def test_code_tasks_give_a_signature_and_a_summary_never_a_body():
     tasks = code_tasks(20)
     assert len(tasks) == 20
@@ -31,7 +47,7 @@ def test_code_tasks_give_a_signature_and_a_summary_never_a_body():
 
 def test_benchmark_sets_are_never_trained_on():
     from specserve.data.prompts import PROMPT_SETS
-    train = set(chat_prompts("train"))
+    train = set(chat_prompts("train")) | set(chat_prompts("train", pool="more"))
     for name in ("chat", "code", "random"):
         prompts = PROMPT_SETS[name](8)
         assert len(prompts) == 8 and not train & set(prompts), name

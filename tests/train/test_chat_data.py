@@ -54,3 +54,18 @@ def test_a_run_that_fills_its_states_budget_stops_and_a_larger_one_goes_on(text_
     summary = generate_chat_data(str(text_model_dir), out, ChatDataConfig(
         num_prompts=5, answer_batch_size=4, answer_max_tokens=6))
     assert summary["conversations"] == 10 == summary["hidden_state_files"]
+
+
+def test_the_second_prompt_pool_is_answered_and_a_bad_pool_is_named(text_model_dir, tmp_path):
+    from specserve.data.chat_prompts import chat_prompts
+    out = tmp_path / "data"
+    generate_chat_data(str(text_model_dir), out, ChatDataConfig(
+        num_prompts=2, answer_temperatures="0", answer_batch_size=4, answer_max_tokens=4,
+        prompt_pool="more"))
+    answers = [json.loads(line)
+               for line in (out / "states" / "batch-00000" / "answers.jsonl").read_text().splitlines()]
+    assert len(answers) == 2
+    assert {a["prompt"] for a in answers} <= set(chat_prompts("train", pool="more"))
+    assert not (out / "questions.json").exists()      # the target's questions are base's
+    with pytest.raises(ValueError, match="--prompt-pool must be 'base' or 'more'"):
+        generate_chat_data(str(text_model_dir), tmp_path / "x", ChatDataConfig(prompt_pool="all"))
