@@ -32,11 +32,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--split", choices=("heldout", "train"), default="heldout",
                    help="train: prompts the head was trained on, to tell capacity from overfitting")
+    p.add_argument("--pool", choices=("base", "more"), default="base",
+                   help="the prompt pool (data/chat_prompts.py)")
     a = p.parse_args()
     target_dir = Path(resolve_model(a.target))
     llm = LLM(str(target_dir), device="cpu", dtype="float32")
     messages = [[{"role": "user", "content": q}]
-                for q in chat_prompts(a.split)[:a.num_prompts]]
+                for q in chat_prompts(a.split, pool=a.pool)[:a.num_prompts]]
     outs = llm.chat(messages, SamplingParams(temperature=0, max_tokens=a.max_tokens),
                     use_tqdm=False)
     target = load_model(target_dir, torch.float32, torch.device("cpu"))
@@ -62,7 +64,7 @@ def main() -> None:
         can += vocab[greedy[answered]].tolist()
     n = len(sure)
     print(f"{a.head} on {a.target}: {n} answer positions of {len(outs)} chat answers, "
-          f"({a.split}), first draft = target's greedy token {sum(hit) / n:.1%}")
+          f"({a.pool} {a.split}), first draft = target's greedy token {sum(hit) / n:.1%}")
     print("| target's p(top-1) | share of tokens | first draft right | token in the draft "
           "vocabulary |")
     print("|---|---:|---:|---:|")

@@ -2,7 +2,8 @@
 `quality.json` measures it (16 held-out chat prompts x 128 tokens through the chat template):
 for heads trained without --eval-chat, or compared after the fact. Not a test.
 
-    python benchmarks/head_tau.py [--target smollm2-135m-instruct] [--method eagle3] [-k 4] DIR...
+    python benchmarks/head_tau.py [--target smollm2-135m-instruct] [--method eagle3] [-k 4]
+        [--pool base] DIR...
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ def main() -> None:
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--method", default="eagle3")
     p.add_argument("-k", type=int, default=4)
+    p.add_argument("--pool", choices=("base", "more"), default="base",
+                   help="whose held-out chat prompts (data/chat_prompts.py)")
     a = p.parse_args()
     target = Path(resolve_model(a.target))
     for d in a.heads:
         for t in (0.0, 0.7):
-            r = evaluate_tau(target, Path(d), a.method, a.k, 16, 128, None, True, t)
-            print(f"{d}  K={a.k}  temperature {t}: tau {r['tau']:.3f}, per position "
+            r = evaluate_tau(target, Path(d), a.method, a.k, 16, 128, None, True, t, a.pool)
+            print(f"{d}  {a.pool}  K={a.k}  temperature {t}: tau {r['tau']:.3f}, per position "
                   + ", ".join(f"{x:.3f}" for x in r["per_position"]), flush=True)
 
 

@@ -5,6 +5,8 @@
   tasks whose answer repeats much of the prompt (where prompt lookup shines).
 - chat: the held-out chat prompts (`chat_prompts`), each a user message that the benchmark
   renders with the target's chat template (CHAT_SETS).
+- chat-more: the held-out prompts of the second pool (`chat_prompts(..., pool="more")`: new
+  topics and new kinds of request), chat messages too.
 - code: the held-out code tasks ("Write a Python function ..."), chat messages too.
 - random: requests for made-up content (serial numbers, invented words), meant to be sampled
   at temperature 1: the workload where no drafter should pay (what `auto` must not lose on).
@@ -53,6 +55,10 @@ def heldout_chat_prompts(num: int = 8) -> list[str]:
     return chat_prompts("heldout")[:num]
 
 
+def heldout_more_chat_prompts(num: int = 8) -> list[str]:
+    return chat_prompts("heldout", pool="more")[:num]
+
+
 def heldout_code_prompts(num: int = 8) -> list[str]:
     return [p for p in code_tasks(600) if held_out(p)][:num]
 
@@ -64,6 +70,6 @@ def random_prompts(num: int = 8) -> list[str]:
 
 
 PROMPT_SETS = {"completion": completion_prompts, "editing": editing_prompts,
-               "chat": heldout_chat_prompts, "code": heldout_code_prompts,
-               "random": random_prompts}
-CHAT_SETS = frozenset({"chat", "code", "random"})   # user messages: rendered with the chat template
+               "chat": heldout_chat_prompts, "chat-more": heldout_more_chat_prompts,
+               "code": heldout_code_prompts, "random": random_prompts}
+CHAT_SETS = frozenset({"chat", "chat-more", "code", "random"})   # user messages: rendered with the chat template

@@ -2,7 +2,8 @@
 of its drafters (as EAGLE-3 and the speculators project train: on the target's outputs).
 
 The prompts (`data/chat_prompts.py`, train split): templated instructions over a topic list,
-questions the target writes itself about each topic, and code tasks from the standard library.
+questions the target writes itself about each topic, and code tasks from the standard library
+(`--prompt-pool more`: a second pool of new topics and kinds of request instead).
 Each is answered through the target's chat template, greedy and sampled (temperature 0.7), in
 batches; `extract_hidden_states` writes each answered conversation's token ids and the hidden
 states a head trains on (`specserve train eagle3 --hidden-states OUT/states`), and

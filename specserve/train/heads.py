@@ -198,9 +198,9 @@ def save_head(method: str, head: nn.Module, out: Path, target_dir: Path,
 
 def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prompts: int = 8,
                  max_tokens: int = 96, extra: dict | None = None, chat: bool = False,
-                 temperature: float = 0.0) -> dict:
+                 temperature: float = 0.0, pool: str = "base") -> dict:
     """Mean acceptance length at K on held-out prompts: code completions, or with `chat` the
-    held-out chat prompts through the target's chat template (`extra`: more
+    held-out chat prompts of `pool` through the target's chat template (`extra`: more
     speculative_config keys)."""
     spec = {"method": method, "num_speculative_tokens": k, "model": str(head_dir)} | (extra or {})
     llm = LLM(str(target_dir), device="cpu", speculative_config=spec)
@@ -208,7 +208,7 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0,
                             ignore_eos=not chat)
     if chat:
-        llm.chat([[{"role": "user", "content": p}] for p in chat_prompts("heldout")[:num_prompts]],
+        llm.chat([[{"role": "user", "content": p}] for p in chat_prompts("heldout", pool=pool)[:num_prompts]],
                  params, use_tqdm=False)
     else:
         llm.generate(fit_prompts(llm, completion_prompts(num_prompts), max_tokens), params,

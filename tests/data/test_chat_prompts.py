@@ -48,7 +48,7 @@ def test_code_tasks_give_a_signature_and_a_summary_never_a_body():
 def test_benchmark_sets_are_never_trained_on():
     from specserve.data.prompts import PROMPT_SETS
     train = set(chat_prompts("train")) | set(chat_prompts("train", pool="more"))
-    for name in ("chat", "code", "random"):
+    for name in ("chat", "chat-more", "code", "random"):
         prompts = PROMPT_SETS[name](8)
         assert len(prompts) == 8 and not train & set(prompts), name
     assert all(p.startswith("Write a Python function") for p in PROMPT_SETS["code"](8))
