@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from specserve import LLM, SamplingParams
-from specserve.data.chat_prompts import chat_prompts
+from specserve.data.chat_prompts import POOLS, chat_prompts
 from specserve.methods import eagle3
 from specserve.models.catalogue import resolve_model
 from specserve.models.loader import load_model
@@ -32,7 +32,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--split", choices=("heldout", "train"), default="heldout",
                    help="train: prompts the head was trained on, to tell capacity from overfitting")
-    p.add_argument("--pool", choices=("base", "more"), default="base",
+    p.add_argument("--pool", choices=POOLS, default="base",
                    help="the prompt pool (data/chat_prompts.py)")
     a = p.parse_args()
     target_dir = Path(resolve_model(a.target))
@@ -63,8 +63,8 @@ def main() -> None:
         hit += (drafts[answered] == greedy[answered]).tolist()
         can += vocab[greedy[answered]].tolist()
     n = len(sure)
-    print(f"{a.head} on {a.target}: {n} answer positions of {len(outs)} chat answers, "
-          f"({a.pool} {a.split}), first draft = target's greedy token {sum(hit) / n:.1%}")
+    print(f"{a.head} on {a.target}: {n} answer positions of {len(outs)} {a.pool} {a.split} "
+          f"chat answers, first draft = target's greedy token {sum(hit) / n:.1%}")
     print("| target's p(top-1) | share of tokens | first draft right | token in the draft "
           "vocabulary |")
     print("|---|---:|---:|---:|")

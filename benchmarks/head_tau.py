@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specserve.data.chat_prompts import POOLS
 from specserve.models.catalogue import resolve_model
 from specserve.train.heads import evaluate_tau
 
@@ -21,7 +22,7 @@ def main() -> None:
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--method", default="eagle3")
     p.add_argument("-k", type=int, default=4)
-    p.add_argument("--pool", choices=("base", "more"), default="base",
+    p.add_argument("--pool", choices=POOLS, default="base",
                    help="whose held-out chat prompts (data/chat_prompts.py)")
     a = p.parse_args()
     target = Path(resolve_model(a.target))

@@ -90,6 +90,8 @@ MORE_TEMPLATES = (
     "What are common mistakes people make with {topic}, and how can they avoid them?",
 )
 
+POOLS = ("base", "more")
+
 # Asked of the target: its reply, stripped, is then a prompt of its own
 QUESTION_REQUEST = ("Write one question that a curious person might ask about {topic}. Reply "
                     "with the question only.")
@@ -145,7 +147,7 @@ def chat_prompts(split: str, num_code: int = 600, pool: str = "base") -> list[st
     and code tasks; "more": `more_prompts`), in a fixed order."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-    if pool not in ("base", "more"):
+    if pool not in POOLS:
         raise ValueError(f"pool must be 'base' or 'more', got {pool!r}")
     everything = (templated_prompts() + code_tasks(num_code) if pool == "base"
                   else more_prompts(num_code))

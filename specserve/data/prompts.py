@@ -72,4 +72,5 @@ def random_prompts(num: int = 8) -> list[str]:
 PROMPT_SETS = {"completion": completion_prompts, "editing": editing_prompts,
                "chat": heldout_chat_prompts, "chat-more": heldout_more_chat_prompts,
                "code": heldout_code_prompts, "random": random_prompts}
-CHAT_SETS = frozenset({"chat", "chat-more", "code", "random"})   # user messages: rendered with the chat template
+# user messages: rendered with the chat template
+CHAT_SETS = frozenset({"chat", "chat-more", "code", "random"})

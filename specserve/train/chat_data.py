@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from specserve.data.chat_prompts import chat_prompts, held_out, question_requests
+from specserve.data.chat_prompts import POOLS, chat_prompts, held_out, question_requests
 from specserve.llm import LLM
 from specserve.sampling_params import SamplingParams
 
@@ -70,7 +70,7 @@ def _answered(done_dir: Path) -> list[tuple[str, float]]:
 def generate_chat_data(target: str, out: Path, cfg: ChatDataConfig) -> dict:
     """Answer the train split's prompts with `target`, writing hidden states and answers to
     `out` (resumable); returns a summary (also written to out/summary.json)."""
-    if cfg.prompt_pool not in ("base", "more"):
+    if cfg.prompt_pool not in POOLS:          # before the target is loaded
         raise ValueError(f"--prompt-pool must be 'base' or 'more', got {cfg.prompt_pool!r}")
     out.mkdir(parents=True, exist_ok=True)
     staging = out / "staging"

@@ -208,8 +208,8 @@ def evaluate_tau(target_dir: Path, head_dir: Path, method: str, k: int, num_prom
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0,
                             ignore_eos=not chat)
     if chat:
-        llm.chat([[{"role": "user", "content": p}] for p in chat_prompts("heldout", pool=pool)[:num_prompts]],
-                 params, use_tqdm=False)
+        prompts = chat_prompts("heldout", pool=pool)[:num_prompts]
+        llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     else:
         llm.generate(fit_prompts(llm, completion_prompts(num_prompts), max_tokens), params,
                      use_tqdm=False)
