@@ -113,7 +113,7 @@ def test_sampling_with_the_eagle3_head_keeps_smollm2s_distribution(smollm2):
     llm = LLM("smollm2-135m-instruct", speculative_config={
         "model": "smollm2-135m-instruct-eagle3", "num_speculative_tokens": 2}, **kw)
     prompt = llm.engine.prompt_ids(llm.engine.chat_prompt(
-        [{"role": "user", "content": "Name one fruit."}]))
+        [{"role": "user", "content": "Name one planet."}]))   # about half the drafts accepted
     hf = AutoModelForCausalLM.from_pretrained(smollm2.parent, gguf_file=smollm2.name,
                                               dtype=torch.float32).eval()
 
