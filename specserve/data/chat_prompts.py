@@ -9,6 +9,7 @@ split is the same on every machine with the same Python version.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 
 from specserve.data.corpus import Corpus, read_text
@@ -121,6 +122,11 @@ def question_requests() -> list[str]:
 def code_tasks(limit: int | None = None) -> list[str]:
     """'Write a Python function ...' from public standard-library functions with a one-line
     summary docstring (their signature and summary; never their body)."""
+    return list(_code_tasks(limit))
+
+
+@functools.cache        # parsing the whole standard library takes ~15 s; its result never changes
+def _code_tasks(limit: int | None) -> tuple[str, ...]:
     out = []
     for path in Corpus.stdlib().train_files:
         try:
@@ -138,8 +144,8 @@ def code_tasks(limit: int | None = None) -> list[str]:
             out.append(f"Write a Python function `{node.name}({args})`. It should do this: "
                        f"{summary}")
             if limit is not None and len(out) >= limit:
-                return out
-    return out
+                return tuple(out)
+    return tuple(out)
 
 
 def chat_prompts(split: str, num_code: int = 600, pool: str = "base") -> list[str]:

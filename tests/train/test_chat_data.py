@@ -62,8 +62,8 @@ def test_the_second_prompt_pool_is_answered_and_a_bad_pool_is_named(text_model_d
     generate_chat_data(str(text_model_dir), out, ChatDataConfig(
         num_prompts=2, answer_temperatures="0", answer_batch_size=4, answer_max_tokens=4,
         prompt_pool="more"))
-    answers = [json.loads(line)
-               for line in (out / "states" / "batch-00000" / "answers.jsonl").read_text().splitlines()]
+    lines = (out / "states" / "batch-00000" / "answers.jsonl").read_text().splitlines()
+    answers = [json.loads(line) for line in lines]
     assert len(answers) == 2
     assert {a["prompt"] for a in answers} <= set(chat_prompts("train", pool="more"))
     assert not (out / "questions.json").exists()      # the target's questions are base's
