@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("kernel.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 GROUP = 4                # blocks of a packed weight kept input by input (GROUP in C)
 QB = 32                  # int8: inputs per activation scale (QB in C)
 _P = ctypes.c_void_p

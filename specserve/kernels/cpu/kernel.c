@@ -7,7 +7,11 @@
  * other rows are, so a row's result does not depend on how many rows share the step (a
  * one-token decode and a five-token verify agree bit for bit).
  *
- * Built by binding.py with: cc -O3 -march=native -fopenmp -shared -fPIC.
+ * Built by binding.py with: cc -O3 -march=native -ffp-contract=off -fopenmp -shared -fPIC.
+ * Without -ffp-contract=off GCC fuses a multiply into a later add where it sees fit: built
+ * for AVX2 it fused a score's products differently for 7 or 8 queries than for fewer, and a
+ * verify row's attention came out one unit in the last place off the decode's. So nothing is
+ * fused but what fma_v / fma_s say, wherever the code stands.
  */
 #include <errno.h>
 #include <math.h>
@@ -52,6 +56,28 @@ static inline vf loadv(const float *p) {
 }
 
 static inline void storev(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* a * b + c, fused (one rounding) where the CPU has FMA; fma_s is fma_v's lane, so a scalar
+ * tail sums as the vector loop it continues */
+static inline vf fma_v(vf a, vf b, vf c) {
+#if VL == 16
+    return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__)
+    return _mm256_fmadd_ps(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline float fma_s(float a, float b, float c) {
+#if defined(__FMA__) || VL == 16
+    return fmaf(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+
+static inline vf splat(float f) { return (vf){0} + f; }
 
 /* VL bfloat16 values widened to floats (exactly) */
 static inline vf widen_bf16(const uint16_t *p) {
@@ -104,15 +130,16 @@ static inline vf expv(vf x) {
     x = (vf)(((vi)x & ~below) | ((vi)lo & below));
     x = (vf)(((vi)x & ~above) | ((vi)hi & above));
     const float magic = 12582912.f;                      /* 1.5 * 2^23: rounds to an integer */
-    vf n = (x * 1.44269504f + magic) - magic;
-    vf r = (x - n * 0.693145752f) - n * 1.42860677e-6f;  /* ln 2 in two parts */
-    vf p = x - x + 1.f / 720;
-    p = p * r + 1.f / 120;
-    p = p * r + 1.f / 24;
-    p = p * r + 1.f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.f;
-    p = p * r + 1.f;
+    vf n = fma_v(x, splat(1.44269504f), splat(magic)) - magic;
+    vf r = fma_v(n, splat(-1.42860677e-6f), fma_v(n, splat(-0.693145752f), x));  /* ln 2 in
+                                                                                * two parts */
+    vf p = splat(1.f / 720);
+    p = fma_v(p, r, splat(1.f / 120));
+    p = fma_v(p, r, splat(1.f / 24));
+    p = fma_v(p, r, splat(1.f / 6));
+    p = fma_v(p, r, splat(0.5f));
+    p = fma_v(p, r, splat(1.f));
+    p = fma_v(p, r, splat(1.f));
     vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
     return p * (vf)bits;
 }
@@ -135,14 +162,14 @@ static float dot(const float *a, const float *b, int64_t n) {
     vf s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
     int64_t i = 0;
     for (; i + 4 * VL <= n; i += 4 * VL) {
-        s0 += loadv(a + i) * loadv(b + i);
-        s1 += loadv(a + i + VL) * loadv(b + i + VL);
-        s2 += loadv(a + i + 2 * VL) * loadv(b + i + 2 * VL);
-        s3 += loadv(a + i + 3 * VL) * loadv(b + i + 3 * VL);
+        s0 = fma_v(loadv(a + i), loadv(b + i), s0);
+        s1 = fma_v(loadv(a + i + VL), loadv(b + i + VL), s1);
+        s2 = fma_v(loadv(a + i + 2 * VL), loadv(b + i + 2 * VL), s2);
+        s3 = fma_v(loadv(a + i + 3 * VL), loadv(b + i + 3 * VL), s3);
     }
-    for (; i + VL <= n; i += VL) s0 += loadv(a + i) * loadv(b + i);
+    for (; i + VL <= n; i += VL) s0 = fma_v(loadv(a + i), loadv(b + i), s0);
     float r = hsum((s0 + s1) + (s2 + s3));
-    for (; i < n; i++) r += a[i] * b[i];
+    for (; i < n; i++) r = fma_s(a[i], b[i], r);
     return r;
 }
 
@@ -243,10 +270,10 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
                 hi[b] = (vf)(w & (int32_t)0xffff0000u);
             }
             for (int t = 0; t < tb; t++) {
-                const float xlo = x[2 * (t * in + i)], xhi = x[2 * (t * in + i) + 1];
+                const vf xlo = splat(x[2 * (t * in + i)]), xhi = splat(x[2 * (t * in + i) + 1]);
                 for (int b = 0; b < GROUP; b++) {
-                    acc[t][b] += hi[b] * xhi;
-                    acc[t][b] += lo[b] * xlo;
+                    acc[t][b] = fma_v(hi[b], xhi, acc[t][b]);
+                    acc[t][b] = fma_v(lo[b], xlo, acc[t][b]);
                 }
             }
         }
@@ -260,8 +287,8 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
                 memcpy(&w, (const uint32_t *)wp + (i * GROUP + b) * VL, sizeof w);
                 const vf lo = (vf)(w << 16), hi = (vf)(w & (int32_t)0xffff0000u);
                 for (int t = 0; t < tb; t++) {
-                    acc[t][b] += lo * x[t * in + 2 * i];
-                    acc[t][b] += hi * x[t * in + 2 * i + 1];
+                    acc[t][b] = fma_v(lo, splat(x[t * in + 2 * i]), acc[t][b]);
+                    acc[t][b] = fma_v(hi, splat(x[t * in + 2 * i + 1]), acc[t][b]);
                 }
             }
         }
@@ -270,7 +297,8 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
                 vi w;
                 memcpy(&w, (const uint32_t *)wp + (full * GROUP + b) * VL, sizeof w);
                 const vf lo = (vf)(w << 16);
-                for (int t = 0; t < tb; t++) acc[t][b] += lo * x[t * in + in - 1];
+                for (int t = 0; t < tb; t++)
+                    acc[t][b] = fma_v(lo, splat(x[t * in + in - 1]), acc[t][b]);
             }
     } else {
         const float *x = xp;
@@ -279,8 +307,8 @@ static inline __attribute__((always_inline)) void tile(const void *wp, int mode,
             vf w[GROUP];
             for (int b = 0; b < GROUP; b++) w[b] = loadv((const float *)wp + (i * GROUP + b) * VL);
             for (int t = 0; t < tb; t++) {
-                float xv = x[t * in + i];
-                for (int b = 0; b < GROUP; b++) acc[t][b] += w[b] * xv;
+                const vf xv = splat(x[t * in + i]);
+                for (int b = 0; b < GROUP; b++) acc[t][b] = fma_v(w[b], xv, acc[t][b]);
             }
         }
     }
@@ -430,7 +458,8 @@ static inline __attribute__((always_inline)) void tile_i8(const uint8_t *wp, con
                 const float d = q->scale[r];
                 const int32_t off = I8_OFFSET * q->sum[r];
                 for (int b = 0; b < GROUP; b++)
-                    acc[c + t][b] += __builtin_convertvector(isum[t][b] - off, vf) * d;
+                    acc[c + t][b] = fma_v(__builtin_convertvector(isum[t][b] - off, vf),
+                                          splat(d), acc[c + t][b]);
             }
         }
     }
@@ -550,8 +579,8 @@ static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int 
                 const float dx = q->scale[r], sx = (float)q->sum[r] * dx;
                 const int32_t off = bits == 8 ? I8_OFFSET * q->sum[r] : 0;
                 for (int b = 0; b < GROUP; b++)
-                    acc[c + t][b] += __builtin_convertvector(isum[t][b] - off, vf) * (d[b] * dx)
-                                     + m[b] * sx;
+                    acc[c + t][b] = fma_v(__builtin_convertvector(isum[t][b] - off, vf),
+                                          d[b] * dx, fma_v(m[b], splat(sx), acc[c + t][b]));
             }
         }
     }
@@ -929,8 +958,8 @@ static inline __attribute__((always_inline)) void wsum_pass(const float *p, int6
         vf vv[8];
         for (int c = 0; c < nv; c++) vv[c] = load_kv(v, j * D + c * VL, bf16);
         for (int q = 0; q < nq; q++) {
-            const float w = p[q * ldp + j];
-            for (int c = 0; c < nv; c++) acc[q][c] += w * vv[c];
+            const vf w = splat(p[q * ldp + j]);
+            for (int c = 0; c < nv; c++) acc[q][c] = fma_v(w, vv[c], acc[q][c]);
         }
     }
     for (int q = 0; q < nq; q++)
@@ -974,7 +1003,7 @@ static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group
         if (!fast) {
             for (int64_t d = 0; d < D; d++) {
                 float r = 0.f;
-                for (int64_t j = 0; j < Lc; j++) r += pr[j] * kv_at(v, j * D + d, bf16);
+                for (int64_t j = 0; j < Lc; j++) r = fma_s(pr[j], kv_at(v, j * D + d, bf16), r);
                 out[0][d] = r;
             }
         }
@@ -982,7 +1011,7 @@ static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group
             const float *pk = pr + k * ldp;
             for (int64_t j = Lc; j < lens[(r0 + k) / group]; j++)
                 for (int64_t d = 0; d < D; d++)
-                    out[k][d] += pk[j] * kv_at(v, j * D + d, bf16);
+                    out[k][d] = fma_s(pk[j], kv_at(v, j * D + d, bf16), out[k][d]);
             for (int64_t d = 0; d < D; d++) out[k][d] *= inv[r0 + k];
         }
     }
@@ -1040,7 +1069,7 @@ static inline __attribute__((always_inline)) void scores_block(const float *cons
         for (int64_t c = 0; c < D; c += VL) k[c / VL] = load_kv(keys, at + c, bf16);
         for (int a = 0; a < NQ; a++) {
             vf v = loadv(q[a]) * k[0];
-            for (int64_t c = VL; c < D; c += VL) v += loadv(q[a] + c) * k[c / VL];
+            for (int64_t c = VL; c < D; c += VL) v = fma_v(loadv(q[a] + c), k[c / VL], v);
             int s = 0;
 #pragma GCC unroll 4
             for (int b = i; b & 1; b >>= 1, s++) v = tree_pair(wait[a][s], v, s);
@@ -1095,9 +1124,10 @@ static void scores(const float *const *q, int64_t nq, const void *keys, int64_t 
             }
             vf acc = {0};       /* bfloat16 keys: dot()'s order with one accumulator */
             int64_t c = 0;
-            for (; c + VL <= D; c += VL) acc += loadv(q[a] + c) * load_kv(keys, i * D + c, 1);
+            for (; c + VL <= D; c += VL)
+                acc = fma_v(loadv(q[a] + c), load_kv(keys, i * D + c, 1), acc);
             float r = hsum(acc);
-            for (; c < D; c++) r += q[a][c] * kv_at(keys, i * D + c, 1);
+            for (; c < D; c++) r = fma_s(q[a][c], kv_at(keys, i * D + c, 1), r);
             out[a][i] = r * scale;
         }
 }
