@@ -578,9 +578,10 @@ static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int 
                 const int64_t r = (t0 + c + t) * q->nblk + j;
                 const float dx = q->scale[r], sx = (float)q->sum[r] * dx;
                 const int32_t off = bits == 8 ? I8_OFFSET * q->sum[r] : 0;
+                /* the block's sum before the running one: its terms cancel (Q4_0: m = -8 d) */
                 for (int b = 0; b < GROUP; b++)
-                    acc[c + t][b] = fma_v(__builtin_convertvector(isum[t][b] - off, vf),
-                                          d[b] * dx, fma_v(m[b], splat(sx), acc[c + t][b]));
+                    acc[c + t][b] += fma_v(__builtin_convertvector(isum[t][b] - off, vf),
+                                           d[b] * dx, m[b] * sx);
             }
         }
     }
