@@ -131,8 +131,8 @@ static inline vf expv(vf x) {
     x = (vf)(((vi)x & ~above) | ((vi)hi & above));
     const float magic = 12582912.f;                      /* 1.5 * 2^23: rounds to an integer */
     vf n = fma_v(x, splat(1.44269504f), splat(magic)) - magic;
-    vf r = fma_v(n, splat(-1.42860677e-6f), fma_v(n, splat(-0.693145752f), x));  /* ln 2 in
-                                                                                * two parts */
+    /* r = x - n ln 2, ln 2 in two parts */
+    vf r = fma_v(n, splat(-1.42860677e-6f), fma_v(n, splat(-0.693145752f), x));
     vf p = splat(1.f / 720);
     p = fma_v(p, r, splat(1.f / 120));
     p = fma_v(p, r, splat(1.f / 24));
