@@ -122,11 +122,11 @@ def question_requests() -> list[str]:
 def code_tasks(limit: int | None = None) -> list[str]:
     """'Write a Python function ...' from public standard-library functions with a one-line
     summary docstring (their signature and summary; never their body)."""
-    return list(_code_tasks(limit))
+    return list(_code_tasks()[:limit])
 
 
 @functools.cache        # parsing the whole standard library takes ~15 s; its result never changes
-def _code_tasks(limit: int | None) -> tuple[str, ...]:
+def _code_tasks() -> tuple[str, ...]:
     out = []
     for path in Corpus.stdlib().train_files:
         try:
@@ -143,8 +143,6 @@ def _code_tasks(limit: int | None) -> tuple[str, ...]:
             args = ", ".join(a.arg for a in node.args.args)
             out.append(f"Write a Python function `{node.name}({args})`. It should do this: "
                        f"{summary}")
-            if limit is not None and len(out) >= limit:
-                return tuple(out)
     return tuple(out)
 
 
