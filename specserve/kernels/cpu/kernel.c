@@ -949,13 +949,14 @@ static float softmax_weights(float *x, int64_t L, const uint8_t *keep) {
  * each value row is loaded once for all of them, and every output lane sums its products in
  * order of j, as it would for that query alone. */
 static inline __attribute__((always_inline)) void wsum_pass(const float *p, int64_t ldp,
-                                                            int nq, int nv, int64_t L,
-                                                            const void *v, int64_t D,
-                                                            int bf16, float *const *out) {
+                                                            int nq, int nv, int64_t j0,
+                                                            int64_t L, const void *v,
+                                                            int64_t D, int bf16,
+                                                            float *const *out) {
     vf acc[8][8];
     for (int q = 0; q < nq; q++)
-        for (int c = 0; c < nv; c++) acc[q][c] = (vf){0};
-    for (int64_t j = 0; j < L; j++) {
+        for (int c = 0; c < nv; c++) acc[q][c] = j0 ? loadv(out[q] + c * VL) : (vf){0};
+    for (int64_t j = j0; j < L; j++) {
         vf vv[8];
         for (int c = 0; c < nv; c++) vv[c] = load_kv(v, j * D + c * VL, bf16);
         for (int q = 0; q < nq; q++) {
@@ -967,7 +968,8 @@ static inline __attribute__((always_inline)) void wsum_pass(const float *p, int6
         for (int c = 0; c < nv; c++) storev(out[q] + c * VL, acc[q][c]);
 }
 
-#define WS(NQ, NV) case NQ * 16 + NV: wsum_pass(pr, ldp, NQ, NV, Lc, vc, D, bf16, out); break;
+#define WS_ROWS 32       /* value rows a block of passes takes: 8 KB of float32 at D = 64 */
+#define WS(NQ, NV) case NQ * 16 + NV: wsum_pass(pr, ldp, NQ, NV, jb, je, vc, D, bf16, out); break;
 #define WS8(NV) WS(1, NV) WS(2, NV) WS(3, NV) WS(4, NV) WS(5, NV) WS(6, NV) WS(7, NV) WS(8, NV)
 
 /* The attention outputs of nq queries over the values v [L, D] of one KV head: query r is head
@@ -979,24 +981,32 @@ static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group
                           const float *inv, float *o, int64_t ld) {
     const int64_t nv_all = D % VL == 0 ? D / VL : 0;
     /* a pass sums nv vectors of columns (wider heads in several passes) for `per` queries */
-    const int64_t nv = nv_all % 8 == 0 ? 8 : nv_all % 4 == 0 ? 4 : nv_all % 2 == 0 ? 2 : 1;
-    const int fast = nv_all > 0;
 #if VL == 16
+    const int64_t nv = nv_all % 8 == 0 ? 8 : nv_all % 4 == 0 ? 4 : nv_all % 2 == 0 ? 2 : 1;
     const int64_t regs = ACC;
 #else
-    const int64_t regs = 16 - nv;   /* AVX2's 16 registers hold the sums and one value row */
+    /* AVX2's 16 registers hold the sums, a value row's nv vectors and a weight: passes of
+     * a whole 64-wide row took one query each, every query reading all the values from L2
+     * again; four vectors for two queries a pass, a block of WS_ROWS values at a time (in
+     * L1 for the next passes), ran 15 queries 1.5x faster */
+    const int64_t nv = nv_all % 4 == 0 ? 4 : nv_all % 2 == 0 ? 2 : 1;
+    const int64_t regs = 16 - nv - 1;
 #endif
+    const int fast = nv_all > 0;
     const int64_t per = !fast ? 1 : regs / nv < 1 ? 1 : regs / nv < 8 ? regs / nv : 8;
     for (int64_t r0 = 0; r0 < nq; r0 += per) {
         const int64_t n = nq - r0 < per ? nq - r0 : per, Lc = lens[r0 / group];
         const float *pr = p + r0 * ldp;
         float *out[8];
-        if (fast) {
-            for (int64_t c0 = 0; c0 < D; c0 += nv * VL) {
-                for (int64_t k = 0; k < n; k++)
-                    out[k] = o + (r0 + k) / group * ld + (r0 + k) % group * D + c0;
-                const void *vc = (const char *)v + c0 * (bf16 ? 2 : 4);
-                switch (n * 16 + nv) { WS8(1) WS8(2) WS8(4) WS8(8) }
+        if (fast) {     /* a pass goes on from the sums the block before left in out */
+            for (int64_t jb = 0; jb < Lc; jb += WS_ROWS) {
+                const int64_t je = Lc - jb < WS_ROWS ? Lc : jb + WS_ROWS;
+                for (int64_t c0 = 0; c0 < D; c0 += nv * VL) {
+                    for (int64_t k = 0; k < n; k++)
+                        out[k] = o + (r0 + k) / group * ld + (r0 + k) % group * D + c0;
+                    const void *vc = (const char *)v + c0 * (bf16 ? 2 : 4);
+                    switch (n * 16 + nv) { WS8(1) WS8(2) WS8(4) WS8(8) }
+                }
             }
         }
         for (int64_t k = 0; k < n; k++)
@@ -1077,9 +1087,15 @@ static inline __attribute__((always_inline)) void scores_block(const float *cons
             wait[a][s] = v;
         }
     }
-    for (int a = 0; a < NQ; a++) {
+    for (int a = 0; a < NQ; a++) {                                      /* key i in lane i */
+        if (n[a] == VL) {       /* a full block: stored whole (a call of memcpy per query
+                                 * and block, and its reload of the buffer, cost a third
+                                 * of the scores on AVX2) */
+            storev(out[a], wait[a][LEVELS] * scale);
+            continue;
+        }
         float buf[VL];
-        storev(buf, wait[a][LEVELS] * scale);                           /* key i in lane i */
+        storev(buf, wait[a][LEVELS] * scale);
         memcpy(out[a], buf, n[a] * sizeof(float));
     }
 }
