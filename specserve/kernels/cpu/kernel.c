@@ -1240,6 +1240,22 @@ static int attention_half(const Shape *s, int64_t T, const float *x, const float
         if (t == 0 || slots[t] != slots[t - 1] || positions[t] != positions[t - 1] + 1)
             run[nruns++] = t;
     run[nruns] = T;
+    if (nruns * NKV < 2 * nthreads) {
+        /* too few items for the threads (one request: as many as KV heads, SmolLM2's 3 on 2
+         * threads left one idle for a third of the attention): each run in two halves, whose
+         * queries are the same sums as before */
+        int64_t extra = 0, w, b = T;
+        for (int64_t i = 0; i < nruns; i++) extra += run[i + 1] - run[i] >= 2;
+        w = nruns + extra;
+        run[w] = T;
+        for (int64_t i = nruns - 1; i >= 0; i--) {      /* backwards, in place */
+            const int64_t a = run[i];
+            if (b - a >= 2) run[--w] = a + (b - a + 1) / 2;
+            run[--w] = a;
+            b = a;
+        }
+        nruns += extra;
+    }
     #pragma omp parallel for num_threads(nthreads) schedule(dynamic)
     for (int64_t item = 0; item < nruns * NKV; item++) {
         const int64_t t0 = run[item / NKV], t1 = run[item / NKV + 1], g = item % NKV;
