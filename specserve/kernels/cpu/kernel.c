@@ -998,15 +998,15 @@ static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group
         const int64_t n = nq - r0 < per ? nq - r0 : per, Lc = lens[r0 / group];
         const float *pr = p + r0 * ldp;
         float *out[8];
-        if (fast) {     /* a pass goes on from the sums the block before left in out */
-            for (int64_t jb = 0; jb < Lc; jb += WS_ROWS) {
-                const int64_t je = Lc - jb < WS_ROWS ? Lc : jb + WS_ROWS;
-                for (int64_t c0 = 0; c0 < D; c0 += nv * VL) {
-                    for (int64_t k = 0; k < n; k++)
-                        out[k] = o + (r0 + k) / group * ld + (r0 + k) % group * D + c0;
-                    const void *vc = (const char *)v + c0 * (bf16 ? 2 : 4);
-                    switch (n * 16 + nv) { WS8(1) WS8(2) WS8(4) WS8(8) }
-                }
+        /* a pass goes on from the sums the block before left in out; the first block runs
+         * even with no keys, writing the zeros the loops below go on from */
+        for (int64_t jb = 0; fast && (jb == 0 || jb < Lc); jb += WS_ROWS) {
+            const int64_t je = Lc - jb < WS_ROWS ? Lc : jb + WS_ROWS;
+            for (int64_t c0 = 0; c0 < D; c0 += nv * VL) {
+                for (int64_t k = 0; k < n; k++)
+                    out[k] = o + (r0 + k) / group * ld + (r0 + k) % group * D + c0;
+                const void *vc = (const char *)v + c0 * (bf16 ? 2 : 4);
+                switch (n * 16 + nv) { WS8(1) WS8(2) WS8(4) WS8(8) }
             }
         }
         for (int64_t k = 0; k < n; k++)
@@ -1089,8 +1089,8 @@ static inline __attribute__((always_inline)) void scores_block(const float *cons
     }
     for (int a = 0; a < NQ; a++) {                                      /* key i in lane i */
         if (n[a] == VL) {       /* a full block: stored whole (a call of memcpy per query
-                                 * and block, and its reload of the buffer, cost a third
-                                 * of the scores on AVX2) */
+                                 * and block, and its reload of the buffer, cost up to a
+                                 * third of a query's scores on AVX2) */
             storev(out[a], wait[a][LEVELS] * scale);
             continue;
         }
