@@ -345,6 +345,39 @@ static inline void quantize_block(const float *r, int64_t n, int8_t *out, float 
         *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
         return;
     }
+#elif defined(__AVX2__)
+    if (n == QB) {          /* the same bits as the loop below (whose fmaxf and nearbyintf
+                             * are calls per input without -ffast-math), 8 at a time */
+        __m256 a[4], mx = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            a[k] = _mm256_loadu_ps(r + 8 * k);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), a[k]));
+        }
+        float b[8], m = 0.f;
+        _mm256_storeu_ps(b, mx);
+        for (int l = 0; l < 8; l++) m = b[l] > m ? b[l] : m;
+        const __m256 id = _mm256_set1_ps(m > 0.f ? 127.f / m : 0.f);
+        const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+        __m256i q[4], s = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {    /* rounded to nearest even, as nearbyintf */
+            q[k] = _mm256_min_epi32(_mm256_max_epi32(
+                _mm256_cvtps_epi32(_mm256_mul_ps(a[k], id)), lo), hi);
+            s = _mm256_add_epi32(s, q[k]);
+        }
+        /* packing works within 128-bit lanes: dword k of the result holds inputs 4k..4k+3
+         * after the permutation */
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                 _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((void *)out, _mm256_permutevar8x32_epi32(
+            bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        int32_t si[8];
+        _mm256_storeu_si256((void *)si, s);
+        int32_t total = 0;
+        for (int l = 0; l < 8; l++) total += si[l];
+        *scale = m / 127.f;
+        *sum = total;
+        return;
+    }
 #endif
     float m = 0.f;
     for (int64_t i = 0; i < n; i++) m = fmaxf(m, fabsf(r[i]));
