@@ -1020,8 +1020,8 @@ static void weighted_sums(const float *p, int64_t ldp, int64_t nq, int64_t group
 #else
     /* AVX2's 16 registers hold the sums, a value row's nv vectors and a weight: passes of
      * a whole 64-wide row took one query each, every query reading all the values from L2
-     * again; four vectors for two queries a pass, a block of WS_ROWS values at a time (in
-     * L1 for the next passes), ran 15 queries 1.5x faster */
+     * again; passes of four vectors for two queries over a block of WS_ROWS values at a time
+     * find the block in L1 */
     const int64_t nv = nv_all % 4 == 0 ? 4 : nv_all % 2 == 0 ? 2 : 1;
     const int64_t regs = 16 - nv - 1;
 #endif
@@ -1122,8 +1122,8 @@ static inline __attribute__((always_inline)) void scores_block(const float *cons
     }
     for (int a = 0; a < NQ; a++) {                                      /* key i in lane i */
         if (n[a] == VL) {       /* a full block: stored whole (a call of memcpy per query
-                                 * and block, and its reload of the buffer, cost up to a
-                                 * third of a query's scores on AVX2) */
+                                 * and block, and its reload of the buffer, cost much of a
+                                 * query's scores on AVX2) */
             storev(out[a], wait[a][LEVELS] * scale);
             continue;
         }
@@ -1274,9 +1274,9 @@ static int attention_half(const Shape *s, int64_t T, const float *x, const float
             run[nruns++] = t;
     run[nruns] = T;
     if (nruns * NKV < 2 * nthreads) {
-        /* too few items for the threads (one request: as many as KV heads, SmolLM2's 3 on 2
-         * threads left one idle for a third of the attention): each run in two halves, whose
-         * queries are the same sums as before */
+        /* too few items for the threads (one request gives as many as KV heads: 3 on 2
+         * threads leave one idle a third of the time): each run in two halves, whose queries
+         * are the same sums as before */
         int64_t extra = 0, w, b = T;
         for (int64_t i = 0; i < nruns; i++) extra += run[i + 1] - run[i] >= 2;
         w = nruns + extra;
