@@ -267,6 +267,9 @@ def gguf_runs(a: argparse.Namespace, src: Path, ks: list[int], streamed: dict[tu
             spec = BUNDLED_SPECS.get(method, {"method": method})
             specs[f"{method} (bundled), K={k} (specserve only)"] = spec | {
                 "model": model, "num_speculative_tokens": k, **drafter}
+        if "eagle3" in heads:   # what a user would pick: the head, prompt lookup, adaptive K
+            specs["auto (EAGLE-3 head + prompt lookup, adaptive K) (specserve only)"] = {
+                "method": "auto", "model": heads["eagle3"], **drafter}
         for config, spec in specs.items():
             llm = specserve_engine(str(path), spec, precision, prompts[0])
             runs[(name, label, config, "specserve")] = functools.partial(

@@ -249,8 +249,8 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
     block] (`absmax`: see `quantize_int8`). "q4_0", "q4_1", "q8_0":
     `quantize_blocks`'s, each group block by block as [units, GROUP block, 4] value bytes (a
     unit: four bytes of each column; Q4's hold inputs 4p.. in their low nibbles and 16 + 4p..
-    in their high ones), then the GROUP block d and m in float16, as uint8 [groups, nblk,
-    20 (Q4) or 36 (Q8), GROUP block]. `weight_mode` tells the six apart."""
+    in their high ones), then the GROUP block d and (Q4) m in float16, as uint8 [groups, nblk,
+    20 (Q4) or 34 (Q8), GROUP block]. `weight_mode` tells the six apart."""
     out, inp = weight.shape
     w = weight.detach()
     if out % (GROUP * block):
@@ -260,10 +260,11 @@ def pack_weight(weight: torch.Tensor, block: int, pairs: bool = False,
         cols, nblk = GROUP * block, d.shape[1]
         units = values.shape[2] // 4
         v = values.reshape(-1, cols, nblk, units, 4).transpose(0, 2, 3, 1, 4)
+        # Q8_0's m is always 0: its blocks carry d alone (2 bytes a column fewer to stream)
         scales = [a.reshape(-1, cols, nblk).transpose(0, 2, 1).copy().view(np.uint8)
-                  for a in (d, m)]                                   # [groups, nblk, 2 cols]
+                  for a in ((d,) if quantization == "q8_0" else (d, m))]  # [groups, nblk, 2 cols]
         packed = np.concatenate([v.reshape(len(v), nblk, -1)] + scales, 2)
-        return torch.from_numpy(packed.reshape(len(v), nblk, units * 4 + 4, cols))
+        return torch.from_numpy(packed.reshape(len(v), nblk, -1, cols))
     if quantization == "int8":
         if absmax is not None:
             absmax = torch.cat([absmax, absmax.new_zeros(len(w) - len(absmax))])

@@ -522,7 +522,7 @@ static inline vf widen_f16(const uint16_t *p) {
 /* A Q4 / Q8 tile of tb <= ROWS rows of q from row t0: llama.cpp's blocks, a weight being
  * d u + m for its unsigned value u and its column's float16 d and m in its block of QB inputs
  * (Q4_0: m = -8 d; Q4_1: its own m; Q8_0: u = the int8 value + 128, m = 0). Per group and
- * block: the values as [units][GROUP][VL][4] bytes, then GROUP VL d, then GROUP VL m. Q4:
+ * block: the values as [units][GROUP][VL][4] bytes, then GROUP VL d, then (Q4) GROUP VL m. Q4:
  * unit p (0..3) holds bytes 4p..4p+3 of each column's 16 as a file's block has them, the low
  * nibbles inputs 4p..4p+3, the high ones inputs 16 + 4p..16 + 4p + 3; Q8: unit p holds inputs
  * 4p..4p+3. A block's integer sum of u times the rows' int8 inputs is exact, and
@@ -532,17 +532,18 @@ static inline vf widen_f16(const uint16_t *p) {
 static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int bits,
                                                         const QRows *q, int64_t t0, int tb,
                                                         float *y) {
-    const int64_t W = GROUP * VL, vbytes = QB * W * bits / 8;
+    /* Q8 blocks carry no m (Q8_0's is 0): a block's bytes are its values and d */
+    const int64_t W = GROUP * VL, vbytes = QB * W * bits / 8, sbytes = (bits == 8 ? 2 : 4) * W;
     vf acc[ROWS][GROUP];
     for (int t = 0; t < tb; t++)
         for (int b = 0; b < GROUP; b++) acc[t][b] = (vf){0};
     for (int64_t j = 0; j < q->nblk; j++) {
-        const uint8_t *wj = wp + j * (vbytes + 4 * W);
+        const uint8_t *wj = wp + j * (vbytes + sbytes);
         const uint16_t *dh = (const uint16_t *)(wj + vbytes), *mh = dh + W;
         vf d[GROUP], m[GROUP];
         for (int b = 0; b < GROUP; b++) {
             d[b] = widen_f16(dh + b * VL);
-            m[b] = widen_f16(mh + b * VL);
+            if (bits == 4) m[b] = widen_f16(mh + b * VL);
         }
         for (int c = 0; c < tb; c += CHUNK) {
             const int n = tb - c < CHUNK ? tb - c : CHUNK;
@@ -611,10 +612,13 @@ static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int 
                 const int64_t r = (t0 + c + t) * q->nblk + j;
                 const float dx = q->scale[r], sx = (float)q->sum[r] * dx;
                 const int32_t off = bits == 8 ? I8_OFFSET * q->sum[r] : 0;
-                /* the block's sum before the running one: its terms cancel (Q4_0: m = -8 d) */
+                /* the block's sum before the running one: its terms cancel (Q4_0: m = -8 d);
+                 * Q8's fma with m = 0 would round as this product does */
                 for (int b = 0; b < GROUP; b++)
-                    acc[c + t][b] += fma_v(__builtin_convertvector(isum[t][b] - off, vf),
-                                           d[b] * dx, m[b] * sx);
+                    acc[c + t][b] += bits == 8
+                        ? __builtin_convertvector(isum[t][b] - off, vf) * (d[b] * dx)
+                        : fma_v(__builtin_convertvector(isum[t][b] - off, vf), d[b] * dx,
+                                m[b] * sx);
             }
         }
     }
@@ -812,7 +816,7 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
     const int64_t nblk = (in + QB - 1) / QB;
     const int64_t group_bytes = mode == I8 ? (nblk * QB + 4) * GROUP * VL
                                 : mode == Q4 ? nblk * (QB / 2 + 4) * GROUP * VL
-                                : mode == Q8 ? nblk * (QB + 4) * GROUP * VL
+                                : mode == Q8 ? nblk * (QB + 2) * GROUP * VL
                                 : (mode == F32 ? in : (in + 1) / 2) * GROUP * VL * 4;
     if (T == 0) return 0;
     const void *xs = x;
