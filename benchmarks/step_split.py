@@ -13,7 +13,8 @@ Per precision, context and rows (1: a decode; 5: the verify of 4 drafts), median
   not a warm cache), less what as many calls of a 64 x 64 product cost from Python;
 - attention and the rest = forward - linears (attention over the context, RMSNorms, rotary,
   SiLU, residuals, the call's threading);
-- lm_head: the vocabulary projection of the `rows` final states;
+- lm_head: the vocabulary projection of the `rows` final states, as a greedy step runs it
+  (through its int8 screen where it has one: GreedyScreen);
 - engine: with rows 1 at the decode probe's context, a whole decode step through
   `LLM.generate` (prompt left out) minus forward and lm_head: scheduling, sampling, Python.
 The floor of a part is the bytes of its weights over the memory bandwidth measured in the same
@@ -86,14 +87,16 @@ def split(llm: LLM, context: int, rows: int, repeats: int) -> dict[str, float]:
     calls = _median_ms(products([(x_tiny, tiny, 64)] * len(linears)), repeats)
     out = {"forward": _median_ms(lambda: model(ids, pos, md, engine.cache.layers), repeats),
            "linears": _median_ms(products(real), repeats) - calls,
-           "lm_head": _median_ms(lambda: model.compute_logits(hidden), repeats)}
+           # as a greedy step takes it: through the lm_head's int8 screen where it has one
+           "lm_head": _median_ms(lambda: model.greedy_logits(hidden), repeats)}
     out["attention and the rest"] = out["forward"] - out["linears"]
     return out
 
 
 def weight_bytes(model) -> dict[str, int]:
+    screen = model.lm_head.screen
     return {"linears": sum(lin.kernel_weight.nbytes for lin in _linears(model)),
-            "lm_head": model.lm_head.kernel_weight.nbytes}
+            "lm_head": model.lm_head.kernel_weight.nbytes if screen is None else screen.nbytes}
 
 
 def kernel_header(data: dict) -> list[str]:

@@ -102,12 +102,16 @@ def decode_ms_per_token(llm, tokens: int = 128, repeats: int = 5) -> float:
 def weights_read_ms(model: torch.nn.Module, repeats: int = 5) -> float | None:
     """Median ms to read once, doing nothing else, the weights the CPU kernel streams in a
     decode step (`read_once`; the norms' few KB left out): the floor of a step measured on
-    the very bytes it reads. On a VM equal buffers read at rates up to half apart depending
-    on where their pages landed, so a fresh buffer's bandwidth says little about the weights'.
-    None where the kernel holds no weights (the PyTorch path, a GPU)."""
+    the very bytes it reads (a screened lm_head's int8 screen, as a greedy step reads it). On
+    a VM equal buffers read at rates up to half apart depending on where their pages landed,
+    so a fresh buffer's bandwidth says little about the weights'. None where the kernel holds
+    no weights (the PyTorch path, a GPU)."""
     lib = load_library()
-    weights = [m.kernel_weight for m in model.modules()
-               if getattr(m, "kernel_weight", None) is not None]
+    weights = []
+    for m in model.modules():
+        if getattr(m, "kernel_weight", None) is not None:
+            s = getattr(m, "screen", None)
+            weights += [m.kernel_weight] if s is None else [s.screen, s.absq, s.scale]
     if lib is None or not weights:
         return None
     times = []
@@ -171,12 +175,15 @@ def weight_bytes(model: torch.nn.Module, streamed: bool = False) -> int:
     """Bytes of the weights a decode step reads: every weight except the input embedding table
     (only one row of it is read per token) unless it doubles as the lm_head. `streamed`: as
     the CPU kernel holds them (bfloat16-valued weights packed in bfloat16, int8 with its
-    scales), else as the model's parameters (float32 for a kernel-packed one)."""
+    scales; a screened lm_head as its int8 screen, which a greedy step reads instead), else as
+    the model's parameters (float32 for a kernel-packed one)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     lm_head_packed = False
     for m in model.modules():
         if getattr(m, "kernel_weight", None) is not None:
-            total += m.kernel_weight.nbytes if streamed else m.in_features * m.out_features * 4
+            screen = getattr(m, "screen", None)
+            total += ((m.kernel_weight if screen is None else screen).nbytes if streamed
+                      else m.in_features * m.out_features * 4)
             lm_head_packed |= m is model.lm_head
     if not model.args.tie_word_embeddings or lm_head_packed:
         e = model.embed_tokens.weight

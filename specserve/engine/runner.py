@@ -17,6 +17,7 @@ from specserve.kv_cache import KVCache
 from specserve.methods import RunnerOutput
 from specserve.models.cuda_graphs import CudaGraphs
 from specserve.models.metadata import step_inputs, tree_rows
+from specserve.sampling.penalties import needs_processing
 
 
 class ModelRunner:
@@ -70,5 +71,15 @@ class ModelRunner:
             rows = hidden
         else:
             rows = hidden[torch.tensor(sample_rows, dtype=torch.long, device=self.device)]
-        logits = self.model.compute_logits(rows).float()                     # [N, V]
+        if all(argmax_only(b.request) for b in batch) and hasattr(self.model, "greedy_logits"):
+            logits = self.model.greedy_logits(rows).float()                  # [N, V]
+        else:
+            logits = self.model.compute_logits(rows).float()                 # [N, V]
         return RunnerOutput(logits, hidden, aux, cu, starts)
+
+
+def argmax_only(r) -> bool:
+    """Whether a request's next tokens come from its logits' argmax alone: greedy, no
+    logprobs, nothing (penalties, biases, a grammar) changing the logits first."""
+    return (r.params.is_greedy and r.logprobs is None and r.grammar is None
+            and not needs_processing(r.params))

@@ -21,6 +21,7 @@ from torch import nn
 from specserve.config import check_quantization
 from specserve.kernels.cpu import (
     CpuLayer,
+    GreedyScreen,
     HeadChain,
     LlamaChain,
     LlamaForward,
@@ -35,6 +36,10 @@ from specserve.kernels.cpu import (
 from specserve.models.heads import StatefulHead
 from specserve.models.layers import AttentionMetadata, RMSNorm, model_tensor
 from specserve.models.llama import DecoderLayer, LlamaForCausalLM
+
+# A vocabulary projection at least this wide gets an int8 screen for greedy rows
+# (DecodeLinear.greedy_logits): below it the full product costs little anyway.
+SCREEN_MIN_VOCAB = 16384
 
 
 class DecodeLinear(nn.Module):
@@ -53,11 +58,12 @@ class DecodeLinear(nn.Module):
     PACK_ROWS = 16
 
     def __init__(self, linear: nn.Linear, lib=None, bf16_inputs: bool = False,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, screen: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.lib = lib
         self.bias = linear.bias
+        self.screen = None
         if lib is not None:
             # A plain attribute, so that module.to() and .float() (a head's prepare, which may
             # hold the target's lm_head) never convert it out of the kernel's layout.
@@ -65,6 +71,8 @@ class DecodeLinear(nn.Module):
             self.kernel_weight = pack_weight(linear.weight, lib.specserve_block(),
                                              pairs=bf16_inputs, quantization=quantization,
                                              absmax=getattr(linear, "row_absmax", None))
+            if screen and quantization is None and linear.bias is None:
+                self.screen = GreedyScreen(lib, linear.weight, self.kernel_weight)
             return
         self.weight = linear.weight                  # same Parameter: ties stay tied
         self.kernel_weight = None
@@ -86,6 +94,11 @@ class DecodeLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed,
                                                self.bias, "none", [], "")     # [N, out]
         return y.view(*x.shape[:-1], self.out_features)
+
+    def greedy_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, in] -> forward's [N, out] where a row's largest may be (the same bits),
+        -inf elsewhere: what a greedy pick needs, through the int8 screen where there is one."""
+        return self.screen(x) if self.screen is not None and x.dim() == 2 else self.forward(x)
 
 
 def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
@@ -129,7 +142,8 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
                 # whole model is ever held beside the packed one
                 q = ("q8_0" if name == "lm_head" and quantization in ("q4_0", "q4_1")
                      else quantization)
-                setattr(module, name, DecodeLinear(child, lib, bf16_inputs, q))
+                screen = name == "lm_head" and child.out_features >= SCREEN_MIN_VOCAB
+                setattr(module, name, DecodeLinear(child, lib, bf16_inputs, q, screen))
     if lib is not None:
         model.float()          # what the kernel reads besides the packed weights is float32
         for module in model.modules():

@@ -199,5 +199,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)                              # [..., vocab_size]
 
+    def greedy_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits for rows that only an argmax reads: exact wherever a row's largest
+        may be, -inf elsewhere where the lm_head can screen (the CPU kernel's)."""
+        screen = getattr(self.lm_head, "greedy_logits", None)
+        return self.compute_logits(hidden) if screen is None else screen(hidden)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

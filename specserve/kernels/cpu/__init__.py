@@ -3,6 +3,7 @@
 from specserve.kernels.cpu.binding import (
                                            BLOCK_TYPES,
                                            CpuLayer,
+                                           GreedyScreen,
                                            HeadChain,
                                            KVWriter,
                                            LlamaChain,
@@ -24,7 +25,7 @@ from specserve.kernels.cpu.binding import (
                                            weight_mode,
 )
 
-__all__ = ["BLOCK_TYPES", "CpuLayer", "HeadChain", "KVWriter", "LlamaChain", "LlamaForward",
+__all__ = ["BLOCK_TYPES", "CpuLayer", "GreedyScreen", "HeadChain", "KVWriter", "LlamaChain", "LlamaForward",
            "SharedMemoryAllReduce", "SharedMemoryChannel", "cpu_features",
            "cpu_flags", "kernel_step",
            "linear_rows", "load_library", "max_rows", "pack_weight",

@@ -82,6 +82,11 @@ _ChannelArgs = _args("ChannelArgs", [
     ("shm", _P), ("seen", ctypes.c_uint32), ("timeout_s", ctypes.c_double)])
 
 
+_ScreenArgs = _args("ScreenArgs", [
+    ("x", _P), ("T", _I64), ("inp", _I64), ("out", _I64), ("screen", _P), ("absq", _P),
+    ("scale", _P), ("wp", _P), ("mode", _C), ("max_candidates", _I64), ("y", _P),
+    ("ncand", _P), ("nthreads", _C)])
+
 class _HeadChainArgs(ctypes.Structure):
     """kernel.c's HeadChainArgs, field by field (its size is checked at load)."""
 
@@ -157,7 +162,7 @@ def load_library() -> ctypes.CDLL | None:
     for name, args in (("layer", _LayerArgs), ("head_chain", _HeadChainArgs),
                        ("llama_chain", _LlamaChainArgs), ("llama_forward", _LlamaForwardArgs),
                        ("write_kv", _WriteKVArgs), ("all_reduce", _AllReduceArgs),
-                       ("channel", _ChannelArgs)):
+                       ("channel", _ChannelArgs), ("screen", _ScreenArgs)):
         size = getattr(lib, f"specserve_{name}_args_size")
         for fn in [getattr(lib, f"specserve_{name}{op}", None) for op in ("", "_post", "_wait")]:
             if fn is not None:
@@ -306,6 +311,50 @@ def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor,
                             y.data_ptr(), out_features, 0, torch.get_num_threads()):
         raise MemoryError("linear_rows: could not allocate the step's scratch memory")
     return y
+
+
+class GreedyScreen:
+    """A vocabulary projection's greedy rows through an int8 screen (`specserve_screen`): a
+    row's logits exact where they may be its largest, -inf elsewhere, so that its argmax is
+    the full product's, ties included, for about half the bytes of bfloat16 weights. Holds
+    the int8 copy, its column scales and each block's sum of |q| per column [nblk, out]."""
+
+    MAX_CANDIDATES = 1024       # per row; a row with more takes the whole product
+
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, packed: torch.Tensor) -> None:
+        out, inp = weight.shape
+        q, scale = quantize_int8(weight)
+        absq = q.to(torch.int16).abs()
+        absq = torch.cat([absq, absq.new_zeros(out, -inp % QB)], 1)
+        self.lib, self.packed, self.out, self.inp = lib, packed, out, inp
+        self.screen = pack_weight(weight, lib.specserve_block(), quantization="int8")
+        self.scale = scale.contiguous()
+        # at most QB * 127: the C side reads them as uint16
+        self.absq = absq.view(out, -1, QB).sum(2).T.contiguous().to(torch.int16)
+        self._args = _ScreenArgs(T=0, inp=inp, out=out, screen=self.screen.data_ptr(),
+                                 absq=self.absq.data_ptr(), scale=self.scale.data_ptr(),
+                                 wp=packed.data_ptr(), mode=weight_mode(packed),
+                                 max_candidates=self.MAX_CANDIDATES)
+        self.candidates = torch.zeros(0, dtype=torch.long)   # the last call's, per row
+
+    @property
+    def nbytes(self) -> int:
+        """What a call reads besides its candidates' columns."""
+        return self.screen.nbytes + self.absq.nbytes + self.scale.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] float32 -> [T, out]: exact logits at each row's candidates, -inf
+        elsewhere (a row whose candidates were too many: all exact)."""
+        x = x.contiguous()
+        T = x.shape[0]
+        y = x.new_empty(T, self.out)
+        self.candidates = torch.empty(T, dtype=torch.long)
+        a = self._args
+        a.x, a.T, a.y, a.ncand = x.data_ptr(), T, y.data_ptr(), self.candidates.data_ptr()
+        a.nthreads = torch.get_num_threads()
+        if self.lib.specserve_screen(ctypes.byref(a)):
+            raise MemoryError("GreedyScreen: could not allocate the step's scratch memory")
+        return y
 
 
 def read_once(lib: ctypes.CDLL, tensors: list[torch.Tensor]) -> int:

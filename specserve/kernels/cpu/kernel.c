@@ -29,6 +29,7 @@
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <omp.h>
 
 /* Vector width by instruction set: a v16 on a 256-bit machine spills registers and ran at a
  * tenth of the speed. ACC: accumulators a linear tile keeps (GROUP per row it runs at once).
@@ -870,6 +871,155 @@ int specserve_linear(const float *x, int64_t T, const void *wp, int mode, const 
     free(pairs);
     free_qrows(&q);
     return 0;
+}
+
+/* Greedy rows of a vocabulary projection read through an int8 screen (specserve_screen):
+ * the argmax needs only the logits that may be the largest. The screen's int8 product (half
+ * the bytes of bfloat16 weights) gives every logit within a bound of its exact value; the
+ * columns whose upper bound reaches the largest lower bound are the candidates, and only
+ * their exact logits are computed, by the same tile code over a gathered copy of their
+ * weights (a lane's sums do not depend on its neighbours): bit for bit the full product's.
+ * With s the column's scale, |w - s q| <= s / 2 per weight, and per block j of QB inputs the
+ * inputs' quantization error is at most d_j / 2 (d_j their scale), so
+ *   |exact - screen| <= s (sum_i |x_i| / 2 + sum_j d_j / 2 sum_{i in j} |q_i|),
+ * widened by SCREEN_SLACK for the float32 roundings of both (each well under 1% of it). */
+typedef struct {
+    const float *x;             /* [T, in] */
+    int64_t T, in, out;
+    const void *screen;         /* the weight packed as I8 */
+    const uint16_t *absq;       /* [nblk, out]: sum of |q| over each block of a column */
+    const float *scale;         /* [out]: the screen's column scales */
+    const void *wp;             /* the weight as its full product takes it */
+    int mode;                   /* F32, BF16 or PAIRS */
+    int64_t max_candidates;     /* a row with more has its whole product computed */
+    float *y;                   /* [T, out]: candidates' exact logits, -inf elsewhere */
+    int64_t *ncand;             /* [T]: each row's candidates (out where computed whole) */
+    int nthreads;
+} ScreenArgs;
+
+size_t specserve_screen_args_size(void) { return sizeof(ScreenArgs); }
+
+#define SCREEN_SLACK 1.05f
+#define SCREEN_CHUNK 1024
+
+/* One row's candidates (ids, n of them) into y at their exact values. */
+static void screen_exact(const ScreenArgs *a, const void *xrow, const int64_t *ids, int64_t n,
+                         float *yrow, uint32_t *mini) {
+    /* 4-byte entries a column holds per group (BF16 and PAIRS: input pairs), and the `in`
+     * the tile takes (PAIRS counts pairs), as in specserve_linear */
+    const int64_t W = GROUP * VL, in_x = a->mode == F32 ? a->in : (a->in + 1) / 2;
+    const int64_t tile_in = a->mode == PAIRS ? in_x : a->in;
+    const uint32_t *src = a->wp;
+    float buf[ROWS * GROUP * VL];
+    for (int64_t c0 = 0; c0 < n; c0 += W) {
+        const int64_t m = n - c0 < W ? n - c0 : W;
+        memset(mini, 0, sizeof(uint32_t) * in_x * W);
+        for (int64_t k = 0; k < m; k++) {
+            const int64_t v = ids[c0 + k], g = v / W, b = (v % W) / VL, l = v % VL;
+            const uint32_t *col = src + g * in_x * W + b * VL + l;
+            uint32_t *dst = mini + (k / VL) * VL + k % VL;
+            for (int64_t i = 0; i < in_x; i++) dst[i * W] = col[i * W];
+        }
+        tile(mini, a->mode, xrow, tile_in, 1, buf);
+        for (int64_t k = 0; k < m; k++) yrow[ids[c0 + k]] = buf[k];
+    }
+}
+
+int specserve_screen(const ScreenArgs *a) {
+    const int64_t T = a->T, in = a->in, out = a->out, nblk = (in + QB - 1) / QB;
+    const int nthreads = a->nthreads;
+    if (T == 0) return 0;
+    int whole = 0;
+#ifdef HAVE_AMX
+    whole = a->mode == PAIRS && ((a->in + 1) / 2) % 16 == 0 && amx_enabled();
+#endif
+    if (whole) {                /* AMX sums in its own order: the full product, as it runs */
+        for (int64_t t = 0; t < T; t++) a->ncand[t] = out;
+        return specserve_linear(a->x, T, a->wp, a->mode, NULL, out, in, a->y, out, 0, nthreads);
+    }
+    /* PAIRS products take the inputs rounded to bfloat16: the bound is about those */
+    const int64_t in_x = a->mode == F32 ? in : (in + 1) / 2;
+    const int64_t row_bytes = a->mode == PAIRS && PAIRS_FLOATS ? in_x * 8 : in_x * 4;
+    float *xr = malloc(sizeof(float) * T * in), *half = malloc(sizeof(float) * T * (nblk + 1));
+    float *eps = malloc(sizeof(float) * T * out), *lower = malloc(sizeof(float) * T * 64);
+    int64_t *ids = malloc(sizeof(int64_t) * (a->max_candidates + 1));
+    uint32_t *mini = malloc(sizeof(uint32_t) * in_x * GROUP * VL);
+    void *xs = a->mode == PAIRS ? malloc(row_bytes * T) : NULL;
+    int rc = -1;
+    if (!xr || !half || !eps || !lower || !ids || !mini || (a->mode == PAIRS && !xs)) goto done;
+    for (int64_t i = 0; i < T * in; i++) {
+        const uint32_t u = bf16_bits(a->x[i]) << 16;
+        if (a->mode == PAIRS) memcpy(xr + i, &u, 4); else xr[i] = a->x[i];
+    }
+    if (a->mode == PAIRS) to_pairs(a->x, T, in, xs);
+    if (specserve_linear(xr, T, a->screen, I8, NULL, out, in, a->y, out, 0, nthreads)) goto done;
+    /* per row: half its inputs' absolute sum, then half of each block's input scale */
+    for (int64_t t = 0; t < T; t++) {
+        double sum = 0;
+        for (int64_t j = 0; j < nblk; j++) {
+            float mx = 0.f;
+            for (int64_t i = j * QB; i < in && i < (j + 1) * QB; i++) {
+                const float v = fabsf(xr[t * in + i]);
+                sum += v;
+                mx = v > mx ? v : mx;
+            }
+            half[t * (nblk + 1) + 1 + j] = mx / 127.f * 0.5f;
+        }
+        half[t * (nblk + 1)] = (float)(sum * 0.5);
+    }
+    const int nt = nthreads < 64 ? nthreads : 64;
+    for (int64_t i = 0; i < T * 64; i++) lower[i] = -INFINITY;
+    #pragma omp parallel num_threads(nt)
+    {
+        const int me = omp_get_thread_num();
+        #pragma omp for schedule(static)
+        for (int64_t v0 = 0; v0 < out; v0 += SCREEN_CHUNK) {
+            const int64_t n = out - v0 < SCREEN_CHUNK ? out - v0 : SCREEN_CHUNK;
+            float e[SCREEN_CHUNK];
+            for (int64_t t = 0; t < T; t++) {
+                const float *h = half + t * (nblk + 1);
+                for (int64_t v = 0; v < n; v++) e[v] = h[0];
+                for (int64_t j = 0; j < nblk; j++) {
+                    const uint16_t *aj = a->absq + j * out + v0;
+                    const float d = h[1 + j];
+                    for (int64_t v = 0; v < n; v++) e[v] += d * (float)aj[v];
+                }
+                float lo = lower[t * 64 + me];
+                const float *yt = a->y + t * out + v0;
+                float *et = eps + t * out + v0;
+                for (int64_t v = 0; v < n; v++) {
+                    et[v] = a->scale[v0 + v] * e[v] * SCREEN_SLACK + 1e-6f;
+                    lo = yt[v] - et[v] > lo ? yt[v] - et[v] : lo;
+                }
+                lower[t * 64 + me] = lo;
+            }
+        }
+    }
+    for (int64_t t = 0; t < T; t++) {
+        float L = -INFINITY;
+        for (int k = 0; k < nt; k++) L = lower[t * 64 + k] > L ? lower[t * 64 + k] : L;
+        float *yt = a->y + t * out;
+        const float *et = eps + t * out;
+        int64_t n = 0;
+        if (isfinite(L) && isfinite(half[t * (nblk + 1)]))
+            for (int64_t v = 0; v < out && n <= a->max_candidates; v++)
+                if (yt[v] + et[v] >= L) ids[n++] = v;
+        if (n == 0 || n > a->max_candidates) {     /* not worth it, or not finite: whole */
+            a->ncand[t] = out;
+            if (specserve_linear(a->x + t * in, 1, a->wp, a->mode, NULL, out, in, yt, out, 0,
+                                 nthreads))
+                goto done;
+            continue;
+        }
+        a->ncand[t] = n;
+        for (int64_t v = 0; v < out; v++) yt[v] = -INFINITY;
+        screen_exact(a, a->mode == PAIRS ? (const char *)xs + t * row_bytes
+                                         : (const void *)(a->x + t * in), ids, n, yt, mini);
+    }
+    rc = 0;
+done:
+    free(xr); free(half); free(eps); free(lower); free(ids); free(mini); free(xs);
+    return rc;
 }
 
 /* Reads the n buffers (ptrs[i], bytes[i] each, the tail past a multiple of 256 left) once,
