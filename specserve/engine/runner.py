@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from specserve.engine.request import Request
 from specserve.engine.scheduler import ScheduledRequest
 from specserve.kv_cache import KVCache
 from specserve.methods import RunnerOutput
@@ -78,7 +79,7 @@ class ModelRunner:
         return RunnerOutput(logits, hidden, aux, cu, starts)
 
 
-def argmax_only(r) -> bool:
+def argmax_only(r: Request) -> bool:
     """Whether a request's next tokens come from its logits' argmax alone: greedy, no
     logprobs, nothing (penalties, biases, a grammar) changing the logits first."""
     return (r.params.is_greedy and r.logprobs is None and r.grammar is None
