@@ -142,7 +142,10 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
                 # whole model is ever held beside the packed one
                 q = ("q8_0" if name == "lm_head" and quantization in ("q4_0", "q4_1")
                      else quantization)
-                screen = name == "lm_head" and child.out_features >= SCREEN_MIN_VOCAB
+                # AMX multiplies bfloat16 pairs at about the cost of their bytes, in its own
+                # summation order: no screen there
+                screen = (name == "lm_head" and child.out_features >= SCREEN_MIN_VOCAB
+                          and not (bf16_inputs and lib is not None and lib.specserve_amx()))
                 setattr(module, name, DecodeLinear(child, lib, bf16_inputs, q, screen))
     if lib is not None:
         model.float()          # what the kernel reads besides the packed weights is float32

@@ -738,8 +738,9 @@ def test_screen_computes_a_row_whole_where_it_cannot_narrow_it():
 
 
 def test_smollm2_greedy_output_is_the_same_with_and_without_the_screen(smollm2, monkeypatch):
-    """SmolLM2 in bfloat16 (its lm_head screened) decodes the same tokens as with the full
-    product, plain and with EAGLE-3 drafts; a request with logprobs gets the full logits."""
+    """SmolLM2 (float32, as its GGUF loads: its lm_head screened on every CPU, AMX or not)
+    decodes the same tokens as with the full product, plain and with EAGLE-3 drafts; a
+    request with logprobs gets the full logits."""
     prompts = ["Explain how a bicycle works.", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     spec = {"model": "smollm2-135m-instruct-eagle3", "num_speculative_tokens": 2}
@@ -748,7 +749,7 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_the_screen(smollm2, 
         if not screened:
             monkeypatch.setattr(cpu_backend, "SCREEN_MIN_VOCAB", 10**9)
         for s in (None, spec):
-            llm = LLM(str(smollm2), dtype="bfloat16", speculative_config=s)
+            llm = LLM(str(smollm2), speculative_config=s)
             assert (llm.engine.model.lm_head.screen is not None) == screened
             outs[screened, s is None] = [o.outputs[0].token_ids
                                          for o in llm.generate(prompts, params, use_tqdm=False)]
