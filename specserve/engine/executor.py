@@ -32,7 +32,8 @@ class Executor:
 
     def load_target(self) -> nn.Module:
         return self.backend.prepare(load_model(self.mc.model, self.backend.dtype,
-                                               self.backend.device, max_len=self.max_len))
+                                               self.backend.device, max_len=self.max_len),
+                                    greedy_screen=True)
 
     def kv_cache(self, model: nn.Module) -> KVCache:
         return make_kv_cache(model, self.num_slots, self.max_len, self.backend.cuda_graphs,

@@ -40,11 +40,12 @@ class Backend:
     cuda_graphs: bool = False   # replay few-row CUDA steps of target and draft from graphs
     quantization: str | None = None     # "int8": weights quantized for the CPU kernel
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, greedy_screen: bool = False) -> nn.Module:
         """`model` (any device and dtype) moved to this backend's and set up for inference on
-        it (packed weights for the kernel or oneDNN on the CPU)."""
+        it (packed weights for the kernel or oneDNN on the CPU); `greedy_screen`: its lm_head
+        screened for greedy rows (a target's: drafters pick their drafts in their C chains)."""
         model = use_decode_linears(model.to(device=self.device, dtype=self.dtype).eval(),
-                                   self.cpu_kernel, self.quantization)
+                                   self.cpu_kernel, self.quantization, greedy_screen)
         if self.device.type == "cpu":
             release_freed_memory()
         return model

@@ -102,7 +102,8 @@ class DecodeLinear(nn.Module):
 
 
 def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
-                       quantization: str | None = None) -> nn.Module:
+                       quantization: str | None = None,
+                       greedy_screen: bool = False) -> nn.Module:
     """Swap every nn.Linear of a float32 or bfloat16 CPU inference model for a DecodeLinear
     (in place). Other cases keep nn.Linear: CUDA has cuBLAS; float16, and bfloat16 without the
     kernel on a CPU without native bfloat16 instructions, have no fast oneDNN kernel.
@@ -118,7 +119,9 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
     `quantization="int8"` (kernel only) packs every linear's weight as int8 with one scale per
     output column; "q8_0", "q4_1", "q4_0" in llama.cpp's blocks, an lm_head in q8_0 with the
     4-bit ones (a GGUF's vocabulary projection is kept at 8 bits or more: it decides every
-    token, and its one matrix is a fifth of a small model's bytes)."""
+    token, and its one matrix is a fifth of a small model's bytes). `greedy_screen`: an
+    unquantized lm_head of at least SCREEN_MIN_VOCAB columns gets an int8 screen for greedy
+    rows (`DecodeLinear.greedy_logits`)."""
     w = model_tensor(model)
     check_quantization(quantization)
     if w.device.type != "cpu":
@@ -144,7 +147,8 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
                      else quantization)
                 # AMX multiplies bfloat16 pairs at about the cost of their bytes, in its own
                 # summation order: no screen there
-                screen = (name == "lm_head" and child.out_features >= SCREEN_MIN_VOCAB
+                screen = (greedy_screen and name == "lm_head"
+                          and child.out_features >= SCREEN_MIN_VOCAB
                           and not (bf16_inputs and lib is not None and lib.specserve_amx()))
                 setattr(module, name, DecodeLinear(child, lib, bf16_inputs, q, screen))
     if lib is not None:
