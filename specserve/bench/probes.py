@@ -111,7 +111,7 @@ def weights_read_ms(model: torch.nn.Module, repeats: int = 5) -> float | None:
     for m in model.modules():
         if getattr(m, "kernel_weight", None) is not None:
             s = getattr(m, "screen", None)
-            weights += [m.kernel_weight] if s is None else [s.screen, s.absq, s.scale]
+            weights += [m.kernel_weight] if s is None else list(s.tensors)
     if lib is None or not weights:
         return None
     times = []

@@ -338,9 +338,13 @@ class GreedyScreen:
         self.candidates = torch.zeros(0, dtype=torch.long)   # the last call's, per row
 
     @property
-    def nbytes(self) -> int:
+    def tensors(self) -> tuple[torch.Tensor, ...]:
         """What a call reads besides its candidates' columns."""
-        return self.screen.nbytes + self.absq.nbytes + self.scale.nbytes
+        return self.screen, self.absq, self.scale
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] float32 -> [T, out]: exact logits at each row's candidates, -inf

@@ -940,26 +940,31 @@ int specserve_screen(const ScreenArgs *a) {
     /* PAIRS products take the inputs rounded to bfloat16: the bound is about those */
     const int64_t in_x = a->mode == F32 ? in : (in + 1) / 2;
     const int64_t row_bytes = a->mode == PAIRS && PAIRS_FLOATS ? in_x * 8 : in_x * 4;
-    float *xr = malloc(sizeof(float) * T * in), *half = malloc(sizeof(float) * T * (nblk + 1));
+    float *xr = a->mode == PAIRS ? malloc(sizeof(float) * T * in) : NULL;
+    float *half = malloc(sizeof(float) * T * (nblk + 1));
     float *eps = malloc(sizeof(float) * T * out), *lower = malloc(sizeof(float) * T * 64);
     int64_t *ids = malloc(sizeof(int64_t) * (a->max_candidates + 1));
     uint32_t *mini = malloc(sizeof(uint32_t) * in_x * GROUP * VL);
     void *xs = a->mode == PAIRS ? malloc(row_bytes * T) : NULL;
     int rc = -1;
-    if (!xr || !half || !eps || !lower || !ids || !mini || (a->mode == PAIRS && !xs)) goto done;
-    for (int64_t i = 0; i < T * in; i++) {
-        const uint32_t u = bf16_bits(a->x[i]) << 16;
-        if (a->mode == PAIRS) memcpy(xr + i, &u, 4); else xr[i] = a->x[i];
+    if (!half || !eps || !lower || !ids || !mini || (a->mode == PAIRS && (!xs || !xr)))
+        goto done;
+    if (a->mode == PAIRS) {
+        for (int64_t i = 0; i < T * in; i++) {
+            const uint32_t u = bf16_bits(a->x[i]) << 16;
+            memcpy(xr + i, &u, 4);
+        }
+        to_pairs(a->x, T, in, xs);
     }
-    if (a->mode == PAIRS) to_pairs(a->x, T, in, xs);
-    if (specserve_linear(xr, T, a->screen, I8, NULL, out, in, a->y, out, 0, nthreads)) goto done;
+    const float *xb = a->mode == PAIRS ? xr : a->x;     /* the inputs the bound is about */
+    if (specserve_linear(xb, T, a->screen, I8, NULL, out, in, a->y, out, 0, nthreads)) goto done;
     /* per row: half its inputs' absolute sum, then half of each block's input scale */
     for (int64_t t = 0; t < T; t++) {
         double sum = 0;
         for (int64_t j = 0; j < nblk; j++) {
             float mx = 0.f;
             for (int64_t i = j * QB; i < in && i < (j + 1) * QB; i++) {
-                const float v = fabsf(xr[t * in + i]);
+                const float v = fabsf(xb[t * in + i]);
                 sum += v;
                 mx = v > mx ? v : mx;
             }
