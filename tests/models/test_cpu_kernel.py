@@ -692,11 +692,13 @@ def test_a_draft_models_pass_and_chains_in_one_call_draft_from_the_rows_asked(tm
 
 # The int8 screen of a vocabulary projection's greedy rows (GreedyScreen,
 # DecodeLinear.greedy_logits): exact logits wherever a row's largest may be.
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "pairs"])
-def test_screen_gives_the_full_products_argmax_and_exact_candidates(kind):
+def test_screen_gives_the_full_products_argmax_and_exact_candidates(kind, threads):
     """Every packing the screen reads (float32, bfloat16 weights, bfloat16 pairs with inputs
     rounded), an odd input width, exact ties (the first column wins, as in torch.argmax),
-    rows of different scales; the finite entries are the full product's bits."""
+    rows of different scales; the finite entries are the full product's bits, on one thread
+    and on several (each lists its own share of the columns)."""
     lib, g = load_library(), torch.Generator().manual_seed(0)
     out, inp = 20000, 300
     w = torch.randn(out, inp, generator=g) * 0.05
@@ -704,15 +706,20 @@ def test_screen_gives_the_full_products_argmax_and_exact_candidates(kind):
         w += 1e-9 * torch.randn(out, inp, generator=g)          # not bfloat16-exact
     else:
         w = w.to(torch.bfloat16).float()
-    w[901] = w[17]                                              # two columns tie exactly
+    w[901] = w[out - 5] = w[17]         # columns tie exactly, at both ends (each thread's list)
     packed = pack_weight(w, lib.specserve_block(), pairs=kind == "pairs")
     screen = GreedyScreen(lib, w, packed)
     x = torch.randn(7, inp, generator=g) * torch.tensor([1, 10, 0.1, 1, 1, 3, 1])[:, None]
-    x[3] = 30 * w[17]                                           # its largest: 17 and 901
+    x[3] = 30 * w[17]                                # its largest: 17, 901 and out - 5
     full = linear_rows(lib, x, packed, None, out)
-    y = screen(x)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = screen(x)
+    finally:
+        torch.set_num_threads(previous)
     assert torch.equal(y.argmax(1), full.argmax(1))
-    assert y.argmax(1)[3] == 17
+    assert y.argmax(1)[3] == 17 and y[3, out - 5] == y[3, 17]
     finite = torch.isfinite(y)
     assert torch.equal(y[finite], full[finite])
     assert (screen.candidates < 200).all()                      # it did screen

@@ -942,12 +942,16 @@ int specserve_screen(const ScreenArgs *a) {
     const int64_t row_bytes = a->mode == PAIRS && PAIRS_FLOATS ? in_x * 8 : in_x * 4;
     float *xr = a->mode == PAIRS ? malloc(sizeof(float) * T * in) : NULL;
     float *half = malloc(sizeof(float) * T * (nblk + 1));
-    float *eps = malloc(sizeof(float) * T * out), *lower = malloc(sizeof(float) * T * 64);
-    int64_t *ids = malloc(sizeof(int64_t) * (a->max_candidates + 1));
+    /* candidates are listed per row and thread, each list holding up to the row's limit */
+    const int nt = nthreads < 64 ? nthreads : 64;
+    const int64_t cap = a->max_candidates + 1;
+    float *ub = malloc(sizeof(float) * T * out), *lower = malloc(sizeof(float) * T * 64);
+    int64_t *ids = malloc(sizeof(int64_t) * T * nt * cap);
+    int64_t *counts = malloc(sizeof(int64_t) * T * nt);
     uint32_t *mini = malloc(sizeof(uint32_t) * in_x * GROUP * VL);
     void *xs = a->mode == PAIRS ? malloc(row_bytes * T) : NULL;
     int rc = -1;
-    if (!half || !eps || !lower || !ids || !mini || (a->mode == PAIRS && (!xs || !xr)))
+    if (!half || !ub || !lower || !ids || !counts || !mini || (a->mode == PAIRS && (!xs || !xr)))
         goto done;
     if (a->mode == PAIRS) {
         for (int64_t i = 0; i < T * in; i++) {
@@ -972,11 +976,12 @@ int specserve_screen(const ScreenArgs *a) {
         }
         half[t * (nblk + 1)] = (float)(sum * 0.5);
     }
-    const int nt = nthreads < 64 ? nthreads : 64;
     for (int64_t i = 0; i < T * 64; i++) lower[i] = -INFINITY;
+    for (int64_t i = 0; i < T * nt; i++) counts[i] = 0;
     #pragma omp parallel num_threads(nt)
     {
         const int me = omp_get_thread_num();
+        /* pass 1: each column's upper bound (into ub) and each thread's best lower bound */
         #pragma omp for schedule(static)
         for (int64_t v0 = 0; v0 < out; v0 += SCREEN_CHUNK) {
             const int64_t n = out - v0 < SCREEN_CHUNK ? out - v0 : SCREEN_CHUNK;
@@ -991,24 +996,43 @@ int specserve_screen(const ScreenArgs *a) {
                 }
                 float lo = lower[t * 64 + me];
                 const float *yt = a->y + t * out + v0;
-                float *et = eps + t * out + v0;
+                float *ut = ub + t * out + v0;
                 for (int64_t v = 0; v < n; v++) {
-                    et[v] = a->scale[v0 + v] * e[v] * SCREEN_SLACK + 1e-6f;
-                    lo = yt[v] - et[v] > lo ? yt[v] - et[v] : lo;
+                    const float ev = a->scale[v0 + v] * e[v] * SCREEN_SLACK + 1e-6f;
+                    lo = yt[v] - ev > lo ? yt[v] - ev : lo;
+                    ut[v] = yt[v] + ev;
                 }
                 lower[t * 64 + me] = lo;
+            }
+        }           /* the loop's barrier: every thread's lower bound is in */
+        /* pass 2: the columns whose upper bound reaches the row's best lower bound, into
+         * this thread's list; the others' logits to -inf */
+        #pragma omp for schedule(static)
+        for (int64_t v0 = 0; v0 < out; v0 += SCREEN_CHUNK) {
+            const int64_t n = out - v0 < SCREEN_CHUNK ? out - v0 : SCREEN_CHUNK;
+            for (int64_t t = 0; t < T; t++) {
+                float L = -INFINITY;
+                for (int k = 0; k < nt; k++) L = lower[t * 64 + k] > L ? lower[t * 64 + k] : L;
+                if (!isfinite(L) || !isfinite(half[t * (nblk + 1)])) continue;  /* whole */
+                float *yt = a->y + t * out + v0;
+                const float *ut = ub + t * out + v0;
+                int64_t *mine = ids + (t * nt + me) * cap, c = counts[t * nt + me];
+                for (int64_t v = 0; v < n; v++) {
+                    if (ut[v] >= L) {
+                        if (c < cap) mine[c] = v0 + v;
+                        c++;
+                    } else {
+                        yt[v] = -INFINITY;
+                    }
+                }
+                counts[t * nt + me] = c;
             }
         }
     }
     for (int64_t t = 0; t < T; t++) {
-        float L = -INFINITY;
-        for (int k = 0; k < nt; k++) L = lower[t * 64 + k] > L ? lower[t * 64 + k] : L;
         float *yt = a->y + t * out;
-        const float *et = eps + t * out;
         int64_t n = 0;
-        if (isfinite(L) && isfinite(half[t * (nblk + 1)]))
-            for (int64_t v = 0; v < out && n <= a->max_candidates; v++)
-                if (yt[v] + et[v] >= L) ids[n++] = v;
+        for (int k = 0; k < nt; k++) n += counts[t * nt + k];
         if (n == 0 || n > a->max_candidates) {     /* not worth it, or not finite: whole */
             a->ncand[t] = out;
             if (specserve_linear(a->x + t * in, 1, a->wp, a->mode, NULL, out, in, yt, out, 0,
@@ -1017,13 +1041,15 @@ int specserve_screen(const ScreenArgs *a) {
             continue;
         }
         a->ncand[t] = n;
-        for (int64_t v = 0; v < out; v++) yt[v] = -INFINITY;
+        int64_t *list = ids + t * nt * cap;         /* the threads' lists, joined */
+        for (int64_t k = 1, m = counts[t * nt]; k < nt; m += counts[t * nt + k], k++)
+            memmove(list + m, list + k * cap, sizeof(int64_t) * counts[t * nt + k]);
         screen_exact(a, a->mode == PAIRS ? (const char *)xs + t * row_bytes
-                                         : (const void *)(a->x + t * in), ids, n, yt, mini);
+                                         : (const void *)(a->x + t * in), list, n, yt, mini);
     }
     rc = 0;
 done:
-    free(xr); free(half); free(eps); free(lower); free(ids); free(mini); free(xs);
+    free(xr); free(half); free(ub); free(lower); free(ids); free(counts); free(mini); free(xs);
     return rc;
 }
 
