@@ -1,7 +1,8 @@
 """Chat prompts made offline, for training drafters on a chat model's own answers and for
 measuring them: instructions and questions over a topic list written here, questions the
-target writes itself about those topics (`question_requests`), and code tasks made from the
-functions and docstrings of the running interpreter's standard library. None come from a
+target writes itself about those topics (`question_requests`), small problems with numbers,
+and code tasks made from the functions, classes and docstrings of the running interpreter's
+standard library. None come from a
 public benchmark set. A prompt is held out (never trained on) by a hash of its text, so the
 split is the same on every machine with the same Python version.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import random
 
 from specserve.data.corpus import Corpus, read_text
 
@@ -91,7 +93,54 @@ MORE_TEMPLATES = (
     "What are common mistakes people make with {topic}, and how can they avoid them?",
 )
 
-POOLS = ("base", "more")
+# A third pool (`pool="extra"`): more topics, more kinds of request, small worked problems with
+# numbers, and code tasks from the public methods of standard-library classes.
+EXTRA_TOPICS = (
+    "the water supply of a city", "bread mold", "frogs", "owls", "spiders", "jellyfish",
+    "the Amazon river", "the Sahara", "the Arctic", "mountains", "islands", "lakes", "wetlands",
+    "air pollution", "noise", "light bulbs", "refrigerators", "microwaves", "washing machines",
+    "3D printing", "robots", "drones", "satellites", "GPS", "the metric system", "money",
+    "banks", "insurance", "renting an apartment", "buying a used car", "cooking eggs",
+    "salad", "sandwiches", "pizza", "ice cream", "breakfast", "drinking water", "vitamins",
+    "posture", "stretching", "walking", "cycling to work", "tennis", "basketball",
+    "the Olympic Games", "marathons", "ballet", "jazz", "opera", "drums", "the piano",
+    "comics", "animation", "fairy tales", "mythology", "pyramids", "the Great Wall of China",
+    "the Aztecs", "the Industrial Age of steam", "trains", "ships", "submarines", "maps",
+    "compasses", "weather forecasts", "thunderstorms", "fog", "wind", "the seasons",
+    "sunsets", "the calendar", "clocks", "measuring time", "counting", "multiplication",
+    "division", "negative numbers", "graphs", "averages", "logic puzzles", "riddles",
+    "spreadsheets for a family budget", "web browsers", "search engines", "social media",
+    "online privacy", "backups", "keyboards", "the command line", "HTML", "JSON",
+    "the Linux operating system", "cloud computing", "machine learning", "chatbots",
+)
+
+EXTRA_TEMPLATES = (
+    "Give me a checklist for {topic}.",
+    "Write a four-line poem about {topic}.",
+    "What questions should I ask an expert on {topic}?",
+    "Write a short persuasive paragraph on why {topic} is worth learning about.",
+    "What is the difference between a beginner and an expert in {topic}?",
+    "Tell me a fun fact about {topic} and explain why it is true.",
+    "Outline a five-minute presentation about {topic}.",
+    "Write a news headline and a two-sentence story about {topic}.",
+    "Explain {topic} using a metaphor about cooking.",
+    "Write a short thank-you note to a teacher who taught me about {topic}.",
+    "Answer in one sentence: what is {topic}?",
+    "Give me two examples of {topic} in the real world.",
+)
+
+NUMBER_TEMPLATES = (
+    "What is {a} plus {b}?",
+    "What is {a} times {b}? Show your work.",
+    "If I have {a} apples and give away {b}, how many are left?",
+    "A train travels {a} kilometers in {b} hours. What is its average speed?",
+    "Convert {a} degrees Celsius to Fahrenheit.",
+    "What is {b} percent of {a}?",
+    "Is {a} a prime number? Explain.",
+    "A shop sells pens at {b} dollars each. How much do {a} pens cost?",
+)
+
+POOLS = ("base", "more", "extra")
 
 # Asked of the target: its reply, stripped, is then a prompt of its own
 QUESTION_REQUEST = ("Write one question that a curious person might ask about {topic}. Reply "
@@ -115,6 +164,17 @@ def more_prompts(num_code: int = 600) -> list[str]:
             + code_tasks()[num_code:])
 
 
+def extra_prompts() -> list[str]:
+    """The third pool: its templates over its topics and the first ones', the second pool's
+    templates over its topics, problems with numbers, and standard-library method tasks."""
+    rng = random.Random(0)                      # the same numbers on every machine
+    numbers = list(dict.fromkeys(t.format(a=rng.randint(2, 400), b=rng.randint(2, 60))
+                                 for t in NUMBER_TEMPLATES for _ in range(30)))
+    return ([t.format(topic=topic) for topic in EXTRA_TOPICS + TOPICS for t in EXTRA_TEMPLATES]
+            + [t.format(topic=topic) for topic in EXTRA_TOPICS for t in MORE_TEMPLATES]
+            + numbers + list(_method_tasks()))
+
+
 def question_requests() -> list[str]:
     return [QUESTION_REQUEST.format(topic=topic) for topic in TOPICS]
 
@@ -125,34 +185,59 @@ def code_tasks(limit: int | None = None) -> list[str]:
     return list(_code_tasks()[:limit])
 
 
-@functools.cache        # parsing the whole standard library takes ~15 s; its result never changes
 def _code_tasks() -> tuple[str, ...]:
-    out = []
+    return _stdlib_tasks()[0]
+
+
+def _method_tasks() -> tuple[str, ...]:
+    """'Write the method ...' from the public methods of public standard-library classes (not
+    tests) with a one-line summary docstring (their signature and summary; never their body)."""
+    return _stdlib_tasks()[1]
+
+
+@functools.cache        # parsing the whole standard library takes ~15 s; its result never changes
+def _stdlib_tasks() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The function tasks and the method tasks (each once, in the files' order)."""
+    functions, methods = [], {}
     for path in Corpus.stdlib().train_files:
         try:
             tree = ast.parse(read_text(path))
         except (SyntaxError, ValueError):
             continue
         for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            if (summary := _summary(node)) is not None:
+                functions.append(f"Write a Python function `{node.name}({_args(node)})`. It "
+                                 f"should do this: {summary}")
+            if (not isinstance(node, ast.ClassDef) or node.name.startswith("_")
+                    or "Test" in node.name or "Mixin" in node.name):
                 continue
-            doc = ast.get_docstring(node)
-            summary = doc.strip().split("\n")[0].strip() if doc else ""
-            if not 20 <= len(summary) <= 120 or not summary.endswith("."):
-                continue
-            args = ", ".join(a.arg for a in node.args.args)
-            out.append(f"Write a Python function `{node.name}({args})`. It should do this: "
-                       f"{summary}")
-    return tuple(out)
+            for m in node.body:
+                if (summary := _summary(m)) is not None and not m.name.startswith("test"):
+                    methods[f"Write the method `{m.name}({_args(m)})` of a Python class "
+                            f"`{node.name}`. It should do this: {summary}"] = None
+    return tuple(functions), tuple(methods)
+
+
+def _args(node: ast.FunctionDef) -> str:
+    return ", ".join(a.arg for a in node.args.args)
+
+
+def _summary(node: ast.AST) -> str | None:
+    """A public function's one-line docstring summary, if it has a usable one."""
+    if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+        return None
+    doc = ast.get_docstring(node)
+    summary = doc.strip().split("\n")[0].strip() if doc else ""
+    return summary if 20 <= len(summary) <= 120 and summary.endswith(".") else None
 
 
 def chat_prompts(split: str, num_code: int = 600, pool: str = "base") -> list[str]:
     """The prompts of `split` ("train" or "heldout") in `pool` ("base": the templated prompts
-    and code tasks; "more": `more_prompts`), in a fixed order."""
+    and code tasks; "more": `more_prompts`; "extra": `extra_prompts`), in a fixed order."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     if pool not in POOLS:
-        raise ValueError(f"pool must be 'base' or 'more', got {pool!r}")
-    everything = (templated_prompts() + code_tasks(num_code) if pool == "base"
-                  else more_prompts(num_code))
+        raise ValueError(f"pool must be one of {', '.join(POOLS)}, got {pool!r}")
+    everything = {"base": lambda: templated_prompts() + code_tasks(num_code),
+                  "more": lambda: more_prompts(num_code), "extra": extra_prompts}[pool]()
     return [p for p in everything if held_out(p) == (split == "heldout")]

@@ -7,6 +7,8 @@
   renders with the target's chat template (CHAT_SETS).
 - chat-more: the held-out prompts of the second pool (`chat_prompts(..., pool="more")`: new
   topics and new kinds of request), chat messages too.
+- chat-extra: the held-out prompts of the third pool (`pool="extra"`: more topics and kinds of
+  request, problems with numbers, standard-library method tasks), chat messages too.
 - code: the held-out code tasks ("Write a Python function ..."), chat messages too.
 - random: requests for made-up content (serial numbers, invented words), meant to be sampled
   at temperature 1: the workload where no drafter should pay (what `auto` must not lose on).
@@ -59,6 +61,10 @@ def heldout_more_chat_prompts(num: int = 8) -> list[str]:
     return chat_prompts("heldout", pool="more")[:num]
 
 
+def heldout_extra_chat_prompts(num: int = 8) -> list[str]:
+    return chat_prompts("heldout", pool="extra")[:num]
+
+
 def heldout_code_prompts(num: int = 8) -> list[str]:
     return [p for p in code_tasks(600) if held_out(p)][:num]
 
@@ -71,6 +77,7 @@ def random_prompts(num: int = 8) -> list[str]:
 
 PROMPT_SETS = {"completion": completion_prompts, "editing": editing_prompts,
                "chat": heldout_chat_prompts, "chat-more": heldout_more_chat_prompts,
-               "code": heldout_code_prompts, "random": random_prompts}
+               "chat-extra": heldout_extra_chat_prompts, "code": heldout_code_prompts,
+               "random": random_prompts}
 # user messages: rendered with the chat template
-CHAT_SETS = frozenset({"chat", "chat-more", "code", "random"})
+CHAT_SETS = frozenset({"chat", "chat-more", "chat-extra", "code", "random"})

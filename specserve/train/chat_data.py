@@ -3,7 +3,8 @@ of its drafters (as EAGLE-3 and the speculators project train: on the target's o
 
 The prompts (`data/chat_prompts.py`, train split): templated instructions over a topic list,
 questions the target writes itself about each topic, and code tasks from the standard library
-(`--prompt-pool more`: a second pool of new topics and kinds of request instead).
+(`--prompt-pool more` / `extra`: a second or third pool of new topics and kinds of request
+instead).
 Each is answered through the target's chat template, greedy and sampled (temperature 0.7), in
 batches; `extract_hidden_states` writes each answered conversation's token ids and the hidden
 states a head trains on (`specserve train eagle3 --hidden-states OUT/states`), and
@@ -41,7 +42,8 @@ class ChatDataConfig:
     answer_seed: int = field(default=0, metadata={"help": "seed of the sampled answers"})
     prompt_pool: str = field(default="base", metadata={
         "help": "base: the templated prompts, code tasks and the target's own questions; more: "
-                "a second pool of new topics and kinds of request (data/chat_prompts.py)"})
+                "a second pool of new topics and kinds of request; extra: a third, with problems "
+                "with numbers and standard-library method tasks (data/chat_prompts.py)"})
 
     def temps(self) -> list[float]:
         return [float(t) for t in self.answer_temperatures.split(",") if t.strip()]
@@ -71,7 +73,8 @@ def generate_chat_data(target: str, out: Path, cfg: ChatDataConfig) -> dict:
     """Answer the train split's prompts with `target`, writing hidden states and answers to
     `out` (resumable); returns a summary (also written to out/summary.json)."""
     if cfg.prompt_pool not in POOLS:          # before the target is loaded
-        raise ValueError(f"--prompt-pool must be 'base' or 'more', got {cfg.prompt_pool!r}")
+        raise ValueError(f"--prompt-pool must be one of {', '.join(POOLS)}, "
+                         f"got {cfg.prompt_pool!r}")
     out.mkdir(parents=True, exist_ok=True)
     staging = out / "staging"
     shutil.rmtree(staging, ignore_errors=True)          # a stopped batch's leftovers
@@ -81,7 +84,7 @@ def generate_chat_data(target: str, out: Path, cfg: ChatDataConfig) -> dict:
         "method": "extract_hidden_states", "hidden_states_dir": str(staging),
         "hidden_states_max_bytes": max(0, cfg.states_max_bytes - kept)})
     prompts = (chat_prompts("train") + _written_questions(llm, out, cfg.answer_max_tokens)
-               if cfg.prompt_pool == "base" else chat_prompts("train", pool="more"))
+               if cfg.prompt_pool == "base" else chat_prompts("train", pool=cfg.prompt_pool))
     random.Random(cfg.answer_seed).shuffle(prompts)       # kinds mixed in any first N
     shutil.rmtree(staging, ignore_errors=True)           # the question requests' states
     staging.mkdir()

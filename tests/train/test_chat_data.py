@@ -67,5 +67,5 @@ def test_the_second_prompt_pool_is_answered_and_a_bad_pool_is_named(text_model_d
     assert len(answers) == 2
     assert {a["prompt"] for a in answers} <= set(chat_prompts("train", pool="more"))
     assert not (out / "questions.json").exists()      # the target's questions are base's
-    with pytest.raises(ValueError, match="--prompt-pool must be 'base' or 'more'"):
+    with pytest.raises(ValueError, match="--prompt-pool must be one of base, more, extra"):
         generate_chat_data(str(text_model_dir), tmp_path / "x", ChatDataConfig(prompt_pool="all"))
