@@ -3,7 +3,7 @@
 for heads trained without --eval-chat, or compared after the fact. Not a test.
 
     python benchmarks/head_tau.py [--target smollm2-135m-instruct] [--method eagle3] [-k 4]
-        [--pool base] DIR...
+        [--pool base] [--num-prompts 16] [--temperatures 0,0.7] DIR...
 """
 
 from __future__ import annotations
@@ -24,12 +24,16 @@ def main() -> None:
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--pool", choices=POOLS, default="base",
                    help="whose held-out chat prompts (data/chat_prompts.py)")
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="held-out prompts (quality.json measures 16; more: less noise)")
+    p.add_argument("--temperatures", default="0,0.7")
     a = p.parse_args()
     target = Path(resolve_model(a.target))
     for d in a.heads:
-        for t in (0.0, 0.7):
-            r = evaluate_tau(target, Path(d), a.method, a.k, 16, 128, None, True, t, a.pool)
-            print(f"{d}  {a.pool}  K={a.k}  temperature {t}: tau {r['tau']:.3f}, per position "
+        for t in map(float, a.temperatures.split(",")):
+            r = evaluate_tau(target, Path(d), a.method, a.k, a.num_prompts, 128, None, True, t,
+                             a.pool)
+            print(f"{d}  {a.pool} x {a.num_prompts}  K={a.k}  temperature {t}: tau {r['tau']:.3f}, per position "
                   + ", ".join(f"{x:.3f}" for x in r["per_position"]), flush=True)
 
 
