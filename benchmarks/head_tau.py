@@ -33,7 +33,8 @@ def main() -> None:
         for t in map(float, a.temperatures.split(",")):
             r = evaluate_tau(target, Path(d), a.method, a.k, a.num_prompts, 128, None, True, t,
                              a.pool)
-            print(f"{d}  {a.pool} x {a.num_prompts}  K={a.k}  temperature {t}: tau {r['tau']:.3f}, per position "
+            print(f"{d}  {a.pool} x {a.num_prompts}  K={a.k}  temperature {t}: tau "
+                  f"{r['tau']:.3f}, per position "
                   + ", ".join(f"{x:.3f}" for x in r["per_position"]), flush=True)
 
 
