@@ -13,6 +13,7 @@ import ast
 import functools
 import hashlib
 import random
+import warnings
 
 from specserve.data.corpus import Corpus, read_text
 
@@ -201,7 +202,9 @@ def _stdlib_tasks() -> tuple[tuple[str, ...], tuple[str, ...]]:
     functions, methods = [], {}
     for path in Corpus.stdlib().train_files:
         try:
-            tree = ast.parse(read_text(path))
+            with warnings.catch_warnings():     # old escapes in some files: not ours to fix
+                warnings.simplefilter("ignore", (SyntaxWarning, DeprecationWarning))
+                tree = ast.parse(read_text(path))
         except (SyntaxError, ValueError):
             continue
         for node in tree.body:
