@@ -173,7 +173,7 @@ def extra_prompts() -> list[str]:
                                  for t in NUMBER_TEMPLATES for _ in range(30)))
     return ([t.format(topic=topic) for topic in EXTRA_TOPICS + TOPICS for t in EXTRA_TEMPLATES]
             + [t.format(topic=topic) for topic in EXTRA_TOPICS for t in MORE_TEMPLATES]
-            + numbers + list(_method_tasks()))
+            + numbers + list(_stdlib_tasks()[1]))
 
 
 def question_requests() -> list[str]:
@@ -183,22 +183,14 @@ def question_requests() -> list[str]:
 def code_tasks(limit: int | None = None) -> list[str]:
     """'Write a Python function ...' from public standard-library functions with a one-line
     summary docstring (their signature and summary; never their body)."""
-    return list(_code_tasks()[:limit])
-
-
-def _code_tasks() -> tuple[str, ...]:
-    return _stdlib_tasks()[0]
-
-
-def _method_tasks() -> tuple[str, ...]:
-    """'Write the method ...' from the public methods of public standard-library classes (not
-    tests) with a one-line summary docstring (their signature and summary; never their body)."""
-    return _stdlib_tasks()[1]
+    return list(_stdlib_tasks()[0][:limit])
 
 
 @functools.cache        # parsing the whole standard library takes ~15 s; its result never changes
 def _stdlib_tasks() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The function tasks and the method tasks (each once, in the files' order)."""
+    """The function tasks and the method tasks, in the files' order: public functions, and
+    public methods of public classes (not tests), with a one-line docstring summary (their
+    signature and summary; never their body); a method task once."""
     functions, methods = [], {}
     for path in Corpus.stdlib().train_files:
         try:

@@ -3,6 +3,7 @@ screen of a vocabulary projection, and the fallback when it cannot be built. (It
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -66,6 +67,17 @@ def test_linear_rows_matches_linear_for_any_shape_and_row_count():
                         assert torch.equal(y, linear_rows(lib, x, as_f32, bias, out))
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's (and so the kernel's) thread count set to n, then back."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_read_once_reads_every_word_of_every_tensor_once(threads):
     """The XOR of every 32-bit word read: a word read twice, or not at all, changes it (the
@@ -77,13 +89,9 @@ def test_read_once_reads_every_word_of_every_tensor_once(threads):
     for t in tensors:
         for w in t[: t.numel() // 64 * 64].tolist():
             expect ^= w
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         assert read_once(load_library(), tensors) == expect != 0
         assert read_once(load_library(), tensors[:2] + tensors[1:2]) != expect
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_linear_rows_with_bfloat16_inputs_sums_their_exact_products():
@@ -712,12 +720,8 @@ def test_screen_gives_the_full_products_argmax_and_exact_candidates(kind, thread
     x = torch.randn(7, inp, generator=g) * torch.tensor([1, 10, 0.1, 1, 1, 3, 1])[:, None]
     x[3] = 30 * w[17]                                # its largest: 17, 901 and out - 5
     full = linear_rows(lib, x, packed, None, out)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         y = screen(x)
-    finally:
-        torch.set_num_threads(previous)
     assert torch.equal(y.argmax(1), full.argmax(1))
     assert y.argmax(1)[3] == 17 and y[3, out - 5] == y[3, 17]
     finite = torch.isfinite(y)
