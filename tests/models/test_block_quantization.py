@@ -59,6 +59,16 @@ def test_block_linear_sums_the_dequantized_products_and_rows_do_not_interact(kin
         assert ((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5, (out, inp, rows)
         for t in range(rows):          # bit for bit the row alone: batch invariance
             assert torch.equal(linear_rows(lib, x[t:t + 1], packed, None, out)[0], y[t])
+    # the largest integer sums a block can give: (nearly) every nibble 15 or every Q8 value
+    # +-127, every input +-127 (AVX2 sums a Q4 block's products in 16-bit lanes)
+    w = torch.full((40, 96), -7 / 8 if kind == "q4_0" else 1.0)
+    w[:, ::QB] = 1.0 if kind == "q4_0" else 0.0                   # the block's anchor value
+    w[1::2] = -w[1::2]
+    for x in (torch.ones(3, 96), -torch.ones(3, 96)):
+        packed = pack_weight(w, lib.specserve_block(), quantization=kind)
+        y = linear_rows(lib, x, packed, None, len(w))
+        ref = _reference(x, w, kind)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
     # 4-bit blocks hold the weights to within half a step of their block's range
     w = torch.randn(64, 256, generator=g)
     err = (_dequantized(w, kind)[:, :256] - w).abs().max()
