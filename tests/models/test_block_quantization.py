@@ -60,7 +60,7 @@ def test_block_linear_sums_the_dequantized_products_and_rows_do_not_interact(kin
         for t in range(rows):          # bit for bit the row alone: batch invariance
             assert torch.equal(linear_rows(lib, x[t:t + 1], packed, None, out)[0], y[t])
     # the largest integer sums a block can give: (nearly) every nibble 15 or every Q8 value
-    # +-127, every input +-127 (AVX2 sums a Q4 block's products in 16-bit lanes)
+    # +-127, every input +-127 (the AVX2 products add byte pairs in saturating 16-bit lanes)
     w = torch.full((40, 96), -7 / 8 if kind == "q4_0" else 1.0)
     w[:, ::QB] = 1.0 if kind == "q4_0" else 0.0                   # the block's anchor value
     w[1::2] = -w[1::2]

@@ -551,13 +551,6 @@ static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int 
             vi isum[CHUNK][GROUP];
             for (int t = 0; t < n; t++)
                 for (int b = 0; b < GROUP; b++) isum[t][b] = (vi){0};
-#if I8_AVX2
-            /* Q4: a block's nibble products summed in 16-bit lanes, widened once per block: a
-             * lane adds 16 products of at most 15 * 127, 30480 < 2^15 */
-            __m256i part[CHUNK][GROUP];
-            for (int t = 0; t < n; t++)
-                for (int b = 0; b < GROUP; b++) part[t][b] = _mm256_setzero_si256();
-#endif
             for (int u = 0; u < QB * bits / 32; u++) {
                 const uint8_t *wu = wj + u * W * 4;
                 const int8_t *xu = q->x + (t0 + c) * q->in_q + j * QB + u * 4;
@@ -586,7 +579,7 @@ static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int 
                 }
 #elif I8_AVX2
                 /* nibbles (at most 15) times int8 sum in 16-bit pairs without saturating */
-                const __m256i low4 = _mm256_set1_epi8(0x0f);
+                const __m256i one = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
                 __m256i lo[GROUP], hi[GROUP];
                 for (int b = 0; b < GROUP; b++) {
                     const __m256i w = _mm256_loadu_si256((const void *)(wu + b * VL * 4));
@@ -599,9 +592,9 @@ static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int 
                     memcpy(&xh, xu + t * q->in_q + 16, 4);
                     const __m256i bl = _mm256_set1_epi32(xl), bh = _mm256_set1_epi32(xh);
                     for (int b = 0; b < GROUP; b++)
-                        part[t][b] = _mm256_add_epi16(
-                            part[t][b], _mm256_add_epi16(_mm256_maddubs_epi16(lo[b], bl),
-                                                         _mm256_maddubs_epi16(hi[b], bh)));
+                        isum[t][b] += (vi)_mm256_madd_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(lo[b], bl),
+                                             _mm256_maddubs_epi16(hi[b], bh)), one);
                 }
 #else
                 for (int b = 0; b < GROUP; b++) {
@@ -616,12 +609,6 @@ static inline __attribute__((always_inline)) void tile_q(const uint8_t *wp, int 
                 }
 #endif
             }
-#if I8_AVX2
-            if (bits == 4)
-                for (int t = 0; t < n; t++)
-                    for (int b = 0; b < GROUP; b++)
-                        isum[t][b] = (vi)_mm256_madd_epi16(part[t][b], _mm256_set1_epi16(1));
-#endif
             for (int t = 0; t < n; t++) {
                 const int64_t r = (t0 + c + t) * q->nblk + j;
                 const float dx = q->scale[r], sx = (float)q->sum[r] * dx;
