@@ -405,7 +405,7 @@ MANIFEST_STAGES = {
                                     "an EAGLE-3 head too: smollm2-135m-instruct-eagle3 is a "
                                     "link): specserve train chat-data, train eagle3 "
                                     "--hidden-states, then train eagle3 --parallel "
-                                    "--chain-weight 1 --hidden-states --init "
+                                    "--chain-weight 2 --hidden-states --init "
                                     "(benchmarks/README.md)",
     "smollm2-135m-instruct-mlp_speculator": "mlp_speculator for SmolLM2-135M-Instruct (its "
                                             "state 11 wide, stages tied): specserve train "
