@@ -64,8 +64,8 @@ def test_block_linear_sums_the_dequantized_products_and_rows_do_not_interact(kin
     w = torch.full((40, 96), -7 / 8 if kind == "q4_0" else 1.0)
     w[:, ::QB] = 1.0 if kind == "q4_0" else 0.0                   # the block's anchor value
     w[1::2] = -w[1::2]
+    packed = pack_weight(w, lib.specserve_block(), quantization=kind)
     for x in (torch.ones(3, 96), -torch.ones(3, 96)):
-        packed = pack_weight(w, lib.specserve_block(), quantization=kind)
         y = linear_rows(lib, x, packed, None, len(w))
         ref = _reference(x, w, kind)
         assert ((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
