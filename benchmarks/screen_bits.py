@@ -14,8 +14,8 @@ import argparse
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.kernels.cpu.binding import QB
 
-QB = 32
 PROMPTS = ["Explain how a bicycle works.", "Write a python function that reverses a list."]
 
 
