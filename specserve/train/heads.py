@@ -123,6 +123,21 @@ def _distill(logits: torch.Tensor, target_logp: torch.Tensor,
     return loss
 
 
+def _target_logp(target, hidden: torch.Tensor,
+                 vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The frozen target's next-token log-probabilities [..., V] from its final hidden states,
+    over `vocab_ids` only when given. Then only those lm_head rows are multiplied: a 4,096-token
+    draft vocabulary is a twelfth of SmolLM2's 49,152, and the state batches need nothing else."""
+    lm_head = target.lm_head
+    if vocab_ids is not None and type(lm_head) is nn.Linear:
+        logits = F.linear(hidden, lm_head.weight[vocab_ids])                # [..., V]
+    else:
+        logits = target.compute_logits(hidden)                              # [..., vocab]
+        if vocab_ids is not None:
+            logits = logits[..., vocab_ids]
+    return F.log_softmax(logits.float(), -1)
+
+
 def _target_pass(target, x: torch.Tensor, aux_layers: tuple[int, ...],
                  vocab_ids: torch.Tensor | None = None):
     """The frozen target over x [B, S]: positions, final hidden [B, S, H], aux hidden (or None)
@@ -133,10 +148,7 @@ def _target_pass(target, x: torch.Tensor, aux_layers: tuple[int, ...],
             h, aux = target(x, pos, aux_layers=aux_layers)
         else:
             h, aux = target(x, pos), None
-        logits = target.compute_logits(h).float()                          # [B, S, V]
-        if vocab_ids is not None:
-            logits = logits[..., vocab_ids]
-        return pos, h, aux, F.log_softmax(logits, -1)
+        return pos, h, aux, _target_logp(target, h, vocab_ids)
 
 
 def head_loss(method: str, head: nn.Module, target, k: int, top1_weight: float = 0.0):
@@ -159,11 +171,9 @@ def state_loss(method: str, head: nn.Module, target, k: int, top1_weight: float 
     the request from its start (as when serving), not the window alone."""
     def fn(b: dict[str, torch.Tensor]):
         x = b["xy"][:, :-1]                                                # [B, S]
+        vocab = head.draft_to_target() if hasattr(head, "draft_to_target") else None
         with torch.no_grad():
-            logits = target.compute_logits(b["hidden"]).float()            # [B, S, V]
-            if hasattr(head, "draft_to_target"):
-                logits = logits[..., head.draft_to_target()]
-            logp = F.log_softmax(logits, -1)
+            logp = _target_logp(target, b["hidden"], vocab)
         return _method_loss(method, head, x, b["positions"], b["hidden"], b["aux_hidden"], logp,
                             k, top1_weight)
     return fn

@@ -53,6 +53,22 @@ def test_refreshed_draft_vocab_keeps_the_rows_of_tokens_both_hold():
         torch.testing.assert_close(lm[j], target_lm[t] * scale)
 
 
+def test_target_logp_over_a_draft_vocabulary_multiplies_only_its_rows(tiny_lm):
+    """The distillation target over a draft vocabulary: the lm_head's chosen rows alone give the
+    full logits' log-softmax restricted to them."""
+    from specserve.models.loader import load_model
+    from specserve.train.heads import _target_logp
+    target = load_model(tiny_lm[0], torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    h = torch.randn(2, 5, target.lm_head.in_features)                          # [B, S, H]
+    ids = torch.randperm(target.lm_head.out_features)[:37]
+    with torch.no_grad():
+        want = torch.log_softmax(target.compute_logits(h)[..., ids], -1)
+        torch.testing.assert_close(_target_logp(target, h, ids), want)
+        torch.testing.assert_close(_target_logp(target, h),
+                                   torch.log_softmax(target.compute_logits(h), -1))
+
+
 @pytest.mark.parametrize("method, draft_vocab, top1", [
     ("medusa", None, 0), ("mlp_speculator", None, 0), ("eagle", None, 0), ("eagle3", None, 0),
     ("eagle3", 100, 1.0), ("mtp", None, 0), ("dflash", None, 0)])
