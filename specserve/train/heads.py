@@ -127,7 +127,7 @@ def _target_logp(target, hidden: torch.Tensor,
                  vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The frozen target's next-token log-probabilities [..., V] from its final hidden states,
     over `vocab_ids` only when given. Then only those lm_head rows are multiplied: a 4,096-token
-    draft vocabulary is a twelfth of SmolLM2's 49,152, and the state batches need nothing else."""
+    draft vocabulary is a twelfth of SmolLM2's 49,152, and the KL over it reads no other row."""
     lm_head = target.lm_head
     if vocab_ids is not None and type(lm_head) is nn.Linear:
         logits = F.linear(hidden, lm_head.weight[vocab_ids])                # [..., V]
