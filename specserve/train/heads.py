@@ -123,6 +123,12 @@ def _distill(logits: torch.Tensor, target_logp: torch.Tensor,
     return loss
 
 
+def _draft_vocab(head: nn.Module) -> torch.Tensor | None:
+    """The target token ids of a head's draft vocabulary (eagle3), over which it learns the
+    target's distribution; None for a head that drafts over the full vocabulary."""
+    return head.draft_to_target() if hasattr(head, "draft_to_target") else None
+
+
 def _target_logp(target, hidden: torch.Tensor,
                  vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The frozen target's next-token log-probabilities [..., V] from its final hidden states,
@@ -158,9 +164,8 @@ def head_loss(method: str, head: nn.Module, target, k: int, top1_weight: float =
 
     def fn(xy: torch.Tensor):
         x = xy[:, :-1]                                                     # [B, S]
-        # a head with a draft vocabulary (eagle3) learns the target's distribution over it
-        vocab = head.draft_to_target() if hasattr(head, "draft_to_target") else None
-        return _method_loss(method, head, x, *_target_pass(target, x, aux_layers, vocab), k,
+        return _method_loss(method, head, x,
+                            *_target_pass(target, x, aux_layers, _draft_vocab(head)), k,
                             top1_weight)
     return fn
 
@@ -171,7 +176,7 @@ def state_loss(method: str, head: nn.Module, target, k: int, top1_weight: float 
     the request from its start (as when serving), not the window alone."""
     def fn(b: dict[str, torch.Tensor]):
         x = b["xy"][:, :-1]                                                # [B, S]
-        vocab = head.draft_to_target() if hasattr(head, "draft_to_target") else None
+        vocab = _draft_vocab(head)
         with torch.no_grad():
             logp = _target_logp(target, b["hidden"], vocab)
         return _method_loss(method, head, x, b["positions"], b["hidden"], b["aux_hidden"], logp,

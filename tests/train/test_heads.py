@@ -54,8 +54,8 @@ def test_refreshed_draft_vocab_keeps_the_rows_of_tokens_both_hold():
 
 
 def test_target_logp_over_a_draft_vocabulary_multiplies_only_its_rows(tiny_lm):
-    """The distillation target over a draft vocabulary: the lm_head's chosen rows alone give the
-    full logits' log-softmax restricted to them."""
+    """The distillation target over a draft vocabulary: the lm_head's chosen rows alone (the
+    full product is never taken) give the full logits' log-softmax restricted to them."""
     from specserve.models.loader import load_model
     from specserve.train.heads import _target_logp
     target = load_model(tiny_lm[0], torch.float32, torch.device("cpu"))
@@ -63,10 +63,12 @@ def test_target_logp_over_a_draft_vocabulary_multiplies_only_its_rows(tiny_lm):
     h = torch.randn(2, 5, target.lm_head.in_features)                          # [B, S, H]
     ids = torch.randperm(target.lm_head.out_features)[:37]
     with torch.no_grad():
-        want = torch.log_softmax(target.compute_logits(h)[..., ids], -1)
-        torch.testing.assert_close(_target_logp(target, h, ids), want)
-        torch.testing.assert_close(_target_logp(target, h),
-                                   torch.log_softmax(target.compute_logits(h), -1))
+        full = target.compute_logits(h)                                         # [B, S, vocab]
+        target.compute_logits = None                            # the full product, not called
+        torch.testing.assert_close(_target_logp(target, h, ids),
+                                   torch.log_softmax(full[..., ids], -1))
+        del target.compute_logits
+        torch.testing.assert_close(_target_logp(target, h), torch.log_softmax(full, -1))
 
 
 @pytest.mark.parametrize("method, draft_vocab, top1", [
