@@ -1,16 +1,17 @@
-"""What holds SmolLM2's EAGLE-3 head back: its size or what it reads? The bundled head
-fine-tuned as it is (the control) beside variants of it, the same steps on the same batches:
-`two-layers` (a second decoder layer appended, its output projections zero: at step 0 it
-computes what the head does) and `final-state` (fc also reads the target's final hidden state
-beside its three layers', those columns zero at the start). Then each is teacher-forced over
-SmolLM2's greedy answers to held-out chat prompts: how often the first draft is the target's
-token, and the chain's tau at K = 1..4 (drafting after every answer position from the target's
-states, as after a verify). The variants are probes: the engine's chain and the checkpoint
-format hold one layer over three target layers. Not a test; CI does not run it.
+"""What holds SmolLM2's EAGLE-3 head back: its size or what it reads? The bundled head fine-tuned
+as it is (the control) beside variants of it, the same steps on the same batches: `two-layers`
+(a second decoder layer appended, its output projections zero: at step 0 it computes what the
+head does), `two-layers-random` (the same layer at its default random start) and `final-state`
+(fc also reads the target's final hidden state beside its three layers', those columns zero at
+the start). Then each is teacher-forced over SmolLM2's greedy answers to held-out chat prompts:
+how often the first draft is the target's token, and the chain's tau at K = 1..4 (drafting after
+every answer position from the target's states, as after a verify). The variants are probes: the
+engine's chain and the checkpoint format hold one layer over three target layers. Not a test; CI
+does not run it.
 
     python benchmarks/head_variants.py --hidden-states DIR [DIR ...]
-        [--variants two-layers,final-state] [--head DIR] [--steps 600] [--k 2] [--lr 5e-4]
-        [--num-prompts 16] [--out runs/head_variants]
+        [--variants two-layers,final-state,two-layers-random] [--head DIR] [--steps 600]
+        [--k 2] [--lr 5e-4] [--num-prompts 16] [--out runs/head_variants]
 
 Writes <out>/result.json; each variant's checkpoint and loss log in <out>/<variant>/ (a rerun
 resumes them).
@@ -52,12 +53,14 @@ def _deep_forward(self, token_ids, h, positions, md, cache, mask=None):
     return out
 
 
-def two_layers(head: eagle3.Eagle3Head) -> eagle3.Eagle3Head:
+def two_layers(head: eagle3.Eagle3Head, zero: bool = True) -> eagle3.Eagle3Head:
     """`head` with one plain decoder layer of its shape appended, its o_proj and down_proj
-    zero (the residual branch adds nothing until trained)."""
+    zero (the residual branch adds nothing until trained) or, without `zero`, at their
+    default random start (the function moves, the new layer's gradients are not small)."""
     layer = DecoderLayer(head.args)
-    nn.init.zeros_(layer.self_attn.o_proj.weight)
-    nn.init.zeros_(layer.mlp.down_proj.weight)
+    if zero:
+        nn.init.zeros_(layer.self_attn.o_proj.weight)
+        nn.init.zeros_(layer.mlp.down_proj.weight)
     head.extra = nn.ModuleList([layer])
     head.forward = types.MethodType(_deep_forward, head)
     return head
@@ -74,7 +77,8 @@ def final_state(head: eagle3.Eagle3Head) -> eagle3.Eagle3Head:
     return head
 
 
-VARIANTS = {"two-layers": two_layers, "final-state": final_state}
+VARIANTS = {"two-layers": two_layers, "final-state": final_state,
+            "two-layers-random": lambda head: two_layers(head, zero=False)}
 
 
 def held_out(target, target_dir: Path, aux_layers, num_prompts: int, max_tokens: int):
