@@ -53,12 +53,15 @@ class DecodeLinear(nn.Module):
     the kernel, oneDNN with the weight reordered once for a multi-row layout keeps the cost
     nearly flat from 1 to about 8 rows, and a one-row step is cheaper too; in bfloat16 it also
     beats F.linear's kernel (`specserve bench latency --pytorch-path` compares the paths).
+    `screen`: greedy rows through an int8 screen (GreedyScreen); `tied`: the weight is also
+    an embedding's, which the screen then reads its candidates from.
     """
 
     PACK_ROWS = 16
 
     def __init__(self, linear: nn.Linear, lib=None, bf16_inputs: bool = False,
-                 quantization: str | None = None, screen: bool = False) -> None:
+                 quantization: str | None = None, screen: bool = False,
+                 tied: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.lib = lib
@@ -72,7 +75,9 @@ class DecodeLinear(nn.Module):
                                              pairs=bf16_inputs, quantization=quantization,
                                              absmax=getattr(linear, "row_absmax", None))
             if screen and quantization is None and linear.bias is None:
-                self.screen = GreedyScreen(lib, linear.weight, self.kernel_weight)
+                # a tied weight stays as the embedding: the screen reads candidates there
+                self.screen = GreedyScreen(lib, linear.weight, self.kernel_weight,
+                                           rows=linear.weight if tied else None)
             return
         self.weight = linear.weight                  # same Parameter: ties stay tied
         self.kernel_weight = None
@@ -138,6 +143,7 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
     bf16_inputs = lib is not None and w.dtype == torch.bfloat16 and quantization is None
     if lib is None and not _onednn_linear_available(w.dtype):
         return model
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
@@ -150,7 +156,8 @@ def use_decode_linears(model: nn.Module, cpu_kernel: bool = True,
                 screen = (greedy_screen and name == "lm_head"
                           and child.out_features >= SCREEN_MIN_VOCAB
                           and not (bf16_inputs and lib is not None and lib.specserve_amx()))
-                setattr(module, name, DecodeLinear(child, lib, bf16_inputs, q, screen))
+                setattr(module, name, DecodeLinear(child, lib, bf16_inputs, q, screen,
+                                                   id(child.weight) in embeddings))
     if lib is not None:
         model.float()          # what the kernel reads besides the packed weights is float32
         for module in model.modules():

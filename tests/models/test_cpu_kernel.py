@@ -700,13 +700,15 @@ def test_a_draft_models_pass_and_chains_in_one_call_draft_from_the_rows_asked(tm
 
 # The int8 screen of a vocabulary projection's greedy rows (GreedyScreen,
 # DecodeLinear.greedy_logits): exact logits wherever a row's largest may be.
+@pytest.mark.parametrize("rows", [False, True])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "pairs"])
-def test_screen_gives_the_full_products_argmax_and_exact_candidates(kind, threads):
+def test_screen_gives_the_full_products_argmax_and_exact_candidates(kind, threads, rows):
     """Every packing the screen reads (float32, bfloat16 weights, bfloat16 pairs with inputs
     rounded), an odd input width, exact ties (the first column wins, as in torch.argmax),
     rows of different scales; the finite entries are the full product's bits, on one thread
-    and on several (each lists its own share of the columns)."""
+    and on several (each lists its own share of the columns), with the candidates' columns
+    read from the packed weight or from a row-major copy (a tied embedding)."""
     lib, g = load_library(), torch.Generator().manual_seed(0)
     out, inp = 20000, 300
     w = torch.randn(out, inp, generator=g) * 0.05
@@ -716,7 +718,7 @@ def test_screen_gives_the_full_products_argmax_and_exact_candidates(kind, thread
         w = w.to(torch.bfloat16).float()
     w[901] = w[out - 5] = w[17]         # columns tie exactly, at both ends (each thread's list)
     packed = pack_weight(w, lib.specserve_block(), pairs=kind == "pairs")
-    screen = GreedyScreen(lib, w, packed)
+    screen = GreedyScreen(lib, w, packed, rows=w if rows else None)
     x = torch.randn(7, inp, generator=g) * torch.tensor([1, 10, 0.1, 1, 1, 3, 1])[:, None]
     x[3] = 30 * w[17]                                # its largest: 17, 901 and out - 5
     full = linear_rows(lib, x, packed, None, out)
@@ -731,20 +733,23 @@ def test_screen_gives_the_full_products_argmax_and_exact_candidates(kind, thread
 
 
 def test_screen_computes_a_row_whole_where_it_cannot_narrow_it():
-    """A zero row (every logit ties) and a NaN row take the whole product; the others still
-    screen."""
+    """A zero row (every logit ties) and a NaN row take the whole product (together, in one);
+    the others still screen."""
     lib, g = load_library(), torch.Generator().manual_seed(1)
     w = (torch.randn(18000, 256, generator=g) * 0.05).to(torch.bfloat16).float()
     packed = pack_weight(w, lib.specserve_block())
     screen = GreedyScreen(lib, w, packed)
-    x = torch.randn(3, 256, generator=g)
+    x = torch.randn(4, 256, generator=g)
     x[0] = 0
     x[2, 5] = float("nan")
     full = linear_rows(lib, x, packed, None, 18000)
     y = screen(x)
-    assert screen.candidates.tolist()[0] == screen.candidates.tolist()[2] == 18000
-    assert screen.candidates[1] < 200
+    assert screen.candidates[[0, 2]].tolist() == [18000, 18000]
+    assert (screen.candidates[[1, 3]] < 200).all()
     assert torch.equal(y[0], full[0]) and torch.equal(y[2].isnan(), full[2].isnan())
+    assert torch.equal(y[2][~y[2].isnan()], full[2][~full[2].isnan()])
+    finite = torch.isfinite(y[[1, 3]])
+    assert torch.equal(y[[1, 3]][finite], full[[1, 3]][finite])
     assert torch.equal(y.argmax(1), full.argmax(1))
 
 

@@ -84,7 +84,7 @@ _ChannelArgs = _args("ChannelArgs", [
 
 _ScreenArgs = _args("ScreenArgs", [
     ("x", _P), ("T", _I64), ("inp", _I64), ("out", _I64), ("screen", _P), ("absq", _P),
-    ("scale", _P), ("wp", _P), ("mode", _C), ("max_candidates", _I64), ("y", _P),
+    ("scale", _P), ("wp", _P), ("mode", _C), ("rows", _P), ("max_candidates", _I64), ("y", _P),
     ("ncand", _P), ("nthreads", _C)])
 
 class _HeadChainArgs(ctypes.Structure):
@@ -317,12 +317,18 @@ class GreedyScreen:
     """A vocabulary projection's greedy rows through an int8 screen (`specserve_screen`): a
     row's logits exact where they may be its largest, -inf elsewhere, so that its argmax is
     the full product's, ties included, for about half the bytes of bfloat16 weights. Holds
-    the int8 copy, its column scales and each block's sum of |q| per column [nblk, out]."""
+    the int8 copy, its column scales and each block's sum of |q| per column [nblk, out].
+
+    `rows`: the weight [out, in] row-major that the model keeps anyway (a tied embedding,
+    read where it lies at each call): a candidate's exact logit then reads its column as one
+    run of bytes, where the packed layout spreads it over `in` cache lines."""
 
     MAX_CANDIDATES = 1024       # per row; a row with more takes the whole product
 
-    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, packed: torch.Tensor) -> None:
+    def __init__(self, lib: ctypes.CDLL, weight: torch.Tensor, packed: torch.Tensor,
+                 rows: torch.Tensor | None = None) -> None:
         out, inp = weight.shape
+        self.rows = rows
         q, scale = quantize_int8(weight)
         absq = q.to(torch.int16).abs()
         absq = torch.cat([absq, absq.new_zeros(out, -inp % QB)], 1)
@@ -356,6 +362,9 @@ class GreedyScreen:
         a = self._args
         a.x, a.T, a.y, a.ncand = x.data_ptr(), T, y.data_ptr(), self.candidates.data_ptr()
         a.nthreads = torch.get_num_threads()
+        r = self.rows            # float32 only: a model made float32 after the screen was built
+        a.rows = (r.data_ptr() if r is not None and r.dtype == torch.float32
+                  and r.is_contiguous() and r.shape == (self.out, self.inp) else None)
         if self.lib.specserve_screen(ctypes.byref(a)):
             raise MemoryError("GreedyScreen: could not allocate the step's scratch memory")
         return y

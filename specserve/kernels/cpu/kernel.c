@@ -891,6 +891,8 @@ typedef struct {
     const float *scale;         /* [out]: the screen's column scales */
     const void *wp;             /* the weight as its full product takes it */
     int mode;                   /* F32, BF16 or PAIRS */
+    const float *rows;          /* [out, in]: the weight row-major (a tied embedding), where a
+                                 * candidate's column is one run of bytes; NULL: read it from wp */
     int64_t max_candidates;     /* a row with more has its whole product computed */
     float *y;                   /* [T, out]: candidates' exact logits, -inf elsewhere */
     int64_t *ncand;             /* [T]: each row's candidates (out where computed whole) */
@@ -902,27 +904,39 @@ size_t specserve_screen_args_size(void) { return sizeof(ScreenArgs); }
 #define SCREEN_SLACK 1.05f
 #define SCREEN_CHUNK 1024
 
-/* One row's candidates (ids, n of them) into y at their exact values. */
-static void screen_exact(const ScreenArgs *a, const void *xrow, const int64_t *ids, int64_t n,
+/* Candidates ids[0..m) (m <= GROUP VL) of one row into yrow at their exact values: their
+ * columns gathered into a one-group packing (mini, in_x GROUP VL entries) and run through the
+ * tile the full product uses, so each value is the full product's, bit for bit (a lane's sum
+ * does not depend on its neighbours). A column comes from the row-major copy where there is
+ * one (one run of in floats; from wp, in_x loads a group apart), its values packed as
+ * pack_weight packs them. */
+static void screen_exact(const ScreenArgs *a, const void *xrow, const int64_t *ids, int64_t m,
                          float *yrow, uint32_t *mini) {
     /* 4-byte entries a column holds per group (BF16 and PAIRS: input pairs), and the `in`
      * the tile takes (PAIRS counts pairs), as in specserve_linear */
-    const int64_t W = GROUP * VL, in_x = a->mode == F32 ? a->in : (a->in + 1) / 2;
-    const int64_t tile_in = a->mode == PAIRS ? in_x : a->in;
+    const int64_t W = GROUP * VL, in = a->in, in_x = a->mode == F32 ? in : (in + 1) / 2;
+    const int64_t tile_in = a->mode == PAIRS ? in_x : in;
     const uint32_t *src = a->wp;
     float buf[ROWS * GROUP * VL];
-    for (int64_t c0 = 0; c0 < n; c0 += W) {
-        const int64_t m = n - c0 < W ? n - c0 : W;
-        memset(mini, 0, sizeof(uint32_t) * in_x * W);
-        for (int64_t k = 0; k < m; k++) {
-            const int64_t v = ids[c0 + k], g = v / W, b = (v % W) / VL, l = v % VL;
+    memset(mini, 0, sizeof(uint32_t) * in_x * W);
+    for (int64_t k = 0; k < m; k++) {
+        const int64_t v = ids[k];
+        uint32_t *dst = mini + (k / VL) * VL + k % VL;
+        if (a->rows && a->mode == F32) {
+            for (int64_t i = 0; i < in; i++) memcpy(dst + i * W, a->rows + v * in + i, 4);
+        } else if (a->rows) {
+            const float *r = a->rows + v * in;
+            for (int64_t i = 0; i < in_x; i++)
+                dst[i * W] = bf16_bits(r[2 * i]) | (2 * i + 1 < in ? bf16_bits(r[2 * i + 1]) : 0)
+                                                       << 16;
+        } else {
+            const int64_t g = v / W, b = (v % W) / VL, l = v % VL;
             const uint32_t *col = src + g * in_x * W + b * VL + l;
-            uint32_t *dst = mini + (k / VL) * VL + k % VL;
             for (int64_t i = 0; i < in_x; i++) dst[i * W] = col[i * W];
         }
-        tile(mini, a->mode, xrow, tile_in, 1, buf);
-        for (int64_t k = 0; k < m; k++) yrow[ids[c0 + k]] = buf[k];
     }
+    tile(mini, a->mode, xrow, tile_in, 1, buf);
+    for (int64_t k = 0; k < m; k++) yrow[ids[k]] = buf[k];
 }
 
 int specserve_screen(const ScreenArgs *a) {
@@ -948,10 +962,16 @@ int specserve_screen(const ScreenArgs *a) {
     float *ub = malloc(sizeof(float) * T * out), *lower = malloc(sizeof(float) * T * 64);
     int64_t *ids = malloc(sizeof(int64_t) * T * nt * cap);
     int64_t *counts = malloc(sizeof(int64_t) * T * nt);
-    uint32_t *mini = malloc(sizeof(uint32_t) * in_x * GROUP * VL);
+    uint32_t *mini = malloc(sizeof(uint32_t) * nt * in_x * GROUP * VL);   /* one a thread */
     void *xs = a->mode == PAIRS ? malloc(row_bytes * T) : NULL;
+    /* the rows computed whole (their inputs, their products), and the candidates' items:
+     * row t's list from entry c at t cap + c */
+    int64_t *whole_rows = malloc(sizeof(int64_t) * T);
+    int64_t *items = malloc(sizeof(int64_t) * T * (cap / (GROUP * VL) + 1));
+    float *xw = NULL, *yw = NULL;
     int rc = -1;
-    if (!half || !ub || !lower || !ids || !counts || !mini || (a->mode == PAIRS && (!xs || !xr)))
+    if (!half || !ub || !lower || !ids || !counts || !mini || !whole_rows || !items
+        || (a->mode == PAIRS && (!xs || !xr)))
         goto done;
     if (a->mode == PAIRS) {
         for (int64_t i = 0; i < T * in; i++) {
@@ -1029,27 +1049,47 @@ int specserve_screen(const ScreenArgs *a) {
             }
         }
     }
+    /* each row's candidates joined into one list; rows with none or too many (not worth it,
+     * or not finite) are computed whole, all in one product; the others' candidates run in
+     * items of GROUP VL on every thread */
+    int64_t nwhole = 0, nitems = 0;
     for (int64_t t = 0; t < T; t++) {
-        float *yt = a->y + t * out;
         int64_t n = 0;
         for (int k = 0; k < nt; k++) n += counts[t * nt + k];
-        if (n == 0 || n > a->max_candidates) {     /* not worth it, or not finite: whole */
+        int64_t *list = ids + t * nt * cap;
+        if (n == 0 || n > a->max_candidates) {
             a->ncand[t] = out;
-            if (specserve_linear(a->x + t * in, 1, a->wp, a->mode, NULL, out, in, yt, out, 0,
-                                 nthreads))
-                goto done;
+            whole_rows[nwhole++] = t;
             continue;
         }
         a->ncand[t] = n;
-        int64_t *list = ids + t * nt * cap;         /* the threads' lists, joined */
         for (int64_t k = 1, m = counts[t * nt]; k < nt; m += counts[t * nt + k], k++)
             memmove(list + m, list + k * cap, sizeof(int64_t) * counts[t * nt + k]);
+        for (int64_t c = 0; c < n; c += GROUP * VL) items[nitems++] = t * cap + c;
+    }
+    if (nwhole) {
+        xw = malloc(sizeof(float) * nwhole * in);
+        yw = malloc(sizeof(float) * nwhole * out);
+        if (!xw || !yw) goto done;
+        for (int64_t r = 0; r < nwhole; r++)
+            memcpy(xw + r * in, a->x + whole_rows[r] * in, sizeof(float) * in);
+        if (specserve_linear(xw, nwhole, a->wp, a->mode, NULL, out, in, yw, out, 0, nthreads))
+            goto done;
+        for (int64_t r = 0; r < nwhole; r++)
+            memcpy(a->y + whole_rows[r] * out, yw + r * out, sizeof(float) * out);
+    }
+    #pragma omp parallel for num_threads(nt) schedule(dynamic)
+    for (int64_t it = 0; it < nitems; it++) {
+        const int64_t t = items[it] / cap, c = items[it] % cap, n = a->ncand[t];
         screen_exact(a, a->mode == PAIRS ? (const char *)xs + t * row_bytes
-                                         : (const void *)(a->x + t * in), list, n, yt, mini);
+                                         : (const void *)(a->x + t * in),
+                     ids + t * nt * cap + c, n - c < GROUP * VL ? n - c : GROUP * VL,
+                     a->y + t * out, mini + (int64_t)omp_get_thread_num() * in_x * GROUP * VL);
     }
     rc = 0;
 done:
     free(xr); free(half); free(ub); free(lower); free(ids); free(counts); free(mini); free(xs);
+    free(whole_rows); free(items); free(xw); free(yw);
     return rc;
 }
 
