@@ -766,7 +766,10 @@ def test_smollm2_greedy_output_is_the_same_with_and_without_the_screen(smollm2, 
             monkeypatch.setattr(cpu_backend, "SCREEN_MIN_VOCAB", 10**9)
         for s in (None, spec):
             llm = LLM(str(smollm2), speculative_config=s)
-            assert (llm.engine.model.lm_head.screen is not None) == screened
+            model = llm.engine.model
+            assert (model.lm_head.screen is not None) == screened
+            if screened:                   # tied: candidates are read from the embedding
+                assert model.lm_head.screen.rows is model.embed_tokens.weight
             outs[screened, s is None] = [o.outputs[0].token_ids
                                          for o in llm.generate(prompts, params, use_tqdm=False)]
             if screened and s is None:
