@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import types
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specserve import LLM, SamplingParams
-from specserve.data.chat_prompts import chat_prompts
+from head_certainty import answered       # benchmarks/, this script's directory
 from specserve.methods import eagle3
 from specserve.models.catalogue import resolve_model
 from specserve.models.llama import DecoderLayer
@@ -85,20 +85,11 @@ def held_out(target, target_dir: Path, aux_layers, num_prompts: int, max_tokens:
     """Per held-out chat prompt (pools base and more): token ids [1, S], positions, aux
     states, final hidden states, the target's greedy next token per position [S] and the
     prompt length."""
-    llm = LLM(str(target_dir), device="cpu", dtype="float32")
-    messages = [[{"role": "user", "content": q}] for pool in ("base", "more")
-                for q in chat_prompts("heldout", pool=pool)[:num_prompts]]
-    outs = llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens),
-                    use_tqdm=False)
-    rows = []
     with torch.no_grad():
-        for o in outs:
-            ids = torch.tensor([list(o.prompt_token_ids) + list(o.outputs[0].token_ids)])
-            pos = torch.arange(ids.shape[1]).expand_as(ids)
-            h, aux = target(ids, pos, aux_layers=aux_layers)
-            greedy = target.compute_logits(h)[0].argmax(-1)                       # [S]
-            rows.append((ids, pos, aux, h, greedy, len(o.prompt_token_ids)))
-    return rows
+        return [(ids, pos, aux, h, target.compute_logits(h)[0].argmax(-1), n_prompt)
+                for ids, pos, h, aux, n_prompt in answered(
+                    target_dir, target, aux_layers, "heldout", ["base", "more"], num_prompts,
+                    max_tokens)]
 
 
 def _reads(head, aux: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -153,9 +144,8 @@ def main() -> None:
         q.requires_grad_(False)
     states, layers = read_hidden_states([Path(d) for d in a.hidden_states], torch.bfloat16)
     rows = None
-    result = {"command": "python benchmarks/head_variants.py " + " ".join(
-        f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
-        for k, v in vars(a).items()), "variants": {}}
+    result = {"command": "python benchmarks/head_variants.py " + " ".join(sys.argv[1:]),
+              "variants": {}}
     for name in ["control"] + [v for v in a.variants.split(",") if v]:
         head = eagle3.read(resolve_model(a.head), target).float()
         if name != "control":
