@@ -6,7 +6,11 @@ rounds. Not a test; CI does not run it.
     python benchmarks/kernel_ab.py runs/kernel-before.c [--after specserve/kernels/cpu/kernel.c]
         [--dtype bfloat16,int8] [--contexts 128,1024] [--rows 1,5] [--rounds 3]
 
-`CFLAGS=-mno-avx512f` compares the AVX2 builds.
+`CFLAGS=-mno-avx512f` compares the AVX2 builds. `--attention` times the attention alone: a
+random-weight model of SmolLM2's attention (30 layers, 9 query and 3 KV heads of 64) with an MLP
+64 wide, its forward at each context less its forward at context 8 (the two alternating), so
+that the products' swings on a noisy VM stay out of the difference (it holds 1,024 positions:
+e.g. `--contexts 256,1016`).
 """
 
 from __future__ import annotations
@@ -19,33 +23,48 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# SmolLM2's attention with next to no MLP or vocabulary (--attention)
+ATTENTION_MODEL = "random:hidden=576,layers=30,inter=64,heads=9,kv=3,head_dim=64,vocab=1024"
+SHORT = 8               # --attention: the context whose forward is taken off
 
 
 def measure(source: str, dtypes: list[str], contexts: list[int], rows: list[int],
-            repeats: int) -> dict[str, float]:
-    """Forward ms of each (precision, context, rows) with the kernel built from `source`."""
+            repeats: int, attention: bool = False) -> dict[str, float]:
+    """Forward ms of each (precision, context, rows) with the kernel built from `source` (with
+    `attention`: ATTENTION_MODEL's forward less its forward at context SHORT)."""
     import torch
 
     from specserve.kernels.cpu import binding
     binding.SOURCE = Path(source).resolve()         # before the engine loads the library
     from specserve import LLM
+    from specserve.bench.random_models import materialize
     from specserve.bench.runners import precision_args
     from specserve.models.metadata import build_metadata
     sys.path.insert(0, str(REPO / "benchmarks"))
     from step_split import _median_ms
 
+    target = (materialize(ATTENTION_MODEL, REPO / "models" / "code-target") if attention
+              else "smollm2-135m-instruct")
     out = {}
     for dt in dtypes:
-        engine = LLM("smollm2-135m-instruct", max_num_seqs=1, max_model_len=2048,
+        # ATTENTION_MODEL holds 1,024 positions
+        engine = LLM(target, max_num_seqs=1, max_model_len=1024 if attention else 2048,
                      **precision_args(dt)).engine
+
+        def forward(ctx: int, n: int, e=engine):
+            ids = torch.arange(10, 10 + n)
+            md, pos = build_metadata([ctx], [n], [0], e.device)
+            return lambda: e.model(ids, pos, md, e.cache.layers)
         with torch.inference_mode():
             for ctx in contexts:
                 for n in rows:
-                    ids = torch.arange(10, 10 + n)
-                    md, pos = build_metadata([ctx], [n], [0], engine.device)
-                    out[f"{dt}, context {ctx}, {n} rows"] = _median_ms(
-                        lambda e=engine, i=ids, ps=pos, m=md: e.model(i, ps, m, e.cache.layers),
-                        repeats)
+                    key = f"{dt}, context {ctx}, {n} rows"
+                    if not attention:
+                        out[key] = _median_ms(forward(ctx, n), repeats)
+                        continue
+                    long, short = forward(ctx, n), forward(SHORT, n)
+                    pairs = [(_median_ms(long, 1), _median_ms(short, 1)) for _ in range(repeats)]
+                    out[key] = statistics.median(a - b for a, b in pairs)
     return out
 
 
@@ -58,21 +77,26 @@ def main() -> None:
     p.add_argument("--rows", default="1,5")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=25)
+    p.add_argument("--attention", action="store_true",
+                   help="the attention alone (see above), not SmolLM2's forward")
     p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     dtypes, contexts, rows = (a.dtype.split(","), [int(c) for c in a.contexts.split(",")],
                               [int(r) for r in a.rows.split(",")])
     if a.measure:                                   # one process, one kernel: `before`
-        print(json.dumps(measure(a.before, dtypes, contexts, rows, a.repeats)))
+        print(json.dumps(measure(a.before, dtypes, contexts, rows, a.repeats, a.attention)))
         return
     times: dict[str, list[dict]] = {"before": [], "after": []}
     for _ in range(a.rounds):
         for side, src in (("before", a.before), ("after", a.after)):
             done = subprocess.run([sys.executable, __file__, src, "--measure", "--dtype", a.dtype,
                                    "--contexts", a.contexts, "--rows", a.rows, "--repeats",
-                                   str(a.repeats)], capture_output=True, text=True, check=True)
+                                   str(a.repeats)] + ["--attention"] * a.attention,
+                                  capture_output=True, text=True, check=True)
             times[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    print(f"forward ms, medians of {a.rounds} alternating processes\n\n"
+    what = f"attention ms (forward less its forward at context {SHORT})" if a.attention else \
+        "forward ms"
+    print(f"{what}, medians of {a.rounds} alternating processes\n\n"
           "| | before | after |\n|---|---:|---:|")
     for key in times["before"][0]:
         b, f = (statistics.median(r[key] for r in times[s]) for s in ("before", "after"))

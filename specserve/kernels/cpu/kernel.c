@@ -1318,6 +1318,25 @@ static inline __attribute__((always_inline)) vf tree_pair(vf a, vf b, int s) {
     return __builtin_shuffle(a, b, TREE_LO[s]) + __builtin_shuffle(a, b, TREE_HI[s]);
 }
 
+#if VL == 8 && defined(__AVX2__)
+#define SCORES_AVX2 1
+/* tree_pair's sums with in-lane shuffles (GCC made levels 1 and 2 of its shuffles into
+ * lane-crossing permutes and blends): every lane adds the same two values as there, only the
+ * lanes lie elsewhere, keys 0 2 4 6 1 3 5 7 at the last level */
+static inline __attribute__((always_inline)) vf tree_pair8(vf a, vf b, int s) {
+    const __m256 x = (__m256)a, y = (__m256)b;
+    if (s == 0)
+        return (vf)_mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20),
+                                 _mm256_permute2f128_ps(x, y, 0x31));
+    if (s == 1)
+        return (vf)_mm256_add_ps(
+            _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(x), _mm256_castps_pd(y))),
+            _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(x), _mm256_castps_pd(y))));
+    return (vf)_mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 /* NQ queries q[0..NQ) of one KV head over one block: each key's slices are loaded (and
  * widened) once for all of them; query a's products with key i sum chunk by chunk into one
  * vector, whose lanes the tree then adds up, so every score is what the query alone would get.
@@ -1330,6 +1349,41 @@ static inline __attribute__((always_inline)) void scores_block(const float *cons
                                                                int bf16, float scale,
                                                                float *const *out) {
     enum { LEVELS = VL == 16 ? 4 : 3 };
+#ifdef SCORES_AVX2
+    /* AVX2's 16 registers cannot hold a key's slices beside every query's waiting vectors
+     * (the spills were most of the scores' instructions): the block's keys are widened once
+     * into L1, then each query takes them one by one, the same products and tree */
+    float kb[VL * D];
+    for (int i = 0; i < VL; i++) {
+        const int64_t at = (i < nmax ? i : 0) * D;   /* a missing key reads key 0, dropped */
+        for (int64_t c = 0; c < D; c += VL) storev(kb + i * D + c, load_kv(keys, at + c, bf16));
+    }
+    for (int a = 0; a < NQ; a++) {
+        vf wait[LEVELS + 1];
+#pragma GCC unroll 8
+        for (int i = 0; i < VL; i++) {
+            const float *k = kb + i * D;
+            vf v = loadv(q[a]) * loadv(k);
+            for (int64_t c = VL; c < D; c += VL) v = fma_v(loadv(q[a] + c), loadv(k + c), v);
+            int s = 0;
+#pragma GCC unroll 4
+            for (int b = i; b & 1; b >>= 1, s++) v = tree_pair8(wait[s], v, s);
+            wait[s] = v;
+        }
+        /* key i to lane i */
+        const vf sc = (vf)_mm256_permutevar8x32_ps((__m256)wait[LEVELS],
+                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+                      * scale;
+        if (n[a] == VL) {
+            storev(out[a], sc);
+            continue;
+        }
+        float buf[VL];
+        storev(buf, sc);
+        memcpy(out[a], buf, n[a] * sizeof(float));
+    }
+    return;
+#endif
     vf wait[8][LEVELS + 1];                    /* wait[a][s]: query a's level-s vector */
 #pragma GCC unroll 16
     for (int i = 0; i < VL; i++) {
