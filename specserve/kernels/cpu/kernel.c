@@ -1318,6 +1318,19 @@ static inline __attribute__((always_inline)) vf tree_pair(vf a, vf b, int s) {
     return __builtin_shuffle(a, b, TREE_LO[s]) + __builtin_shuffle(a, b, TREE_HI[s]);
 }
 
+/* A block's n scores (key i in lane i) to out: stored whole where the block is full (a call of
+ * memcpy per query and block, and its reload of the buffer, cost much of a query's scores on
+ * AVX2) */
+static inline __attribute__((always_inline)) void put_scores(float *out, vf s, int64_t n) {
+    if (n == VL) {
+        storev(out, s);
+        return;
+    }
+    float buf[VL];
+    storev(buf, s);
+    memcpy(out, buf, n * sizeof(float));
+}
+
 #if VL == 8 && defined(__AVX2__)
 #define SCORES_AVX2 1
 /* tree_pair's sums with in-lane shuffles (GCC made levels 1 and 2 of its shuffles into
@@ -1370,20 +1383,11 @@ static inline __attribute__((always_inline)) void scores_block(const float *cons
             for (int b = i; b & 1; b >>= 1, s++) v = tree_pair8(wait[s], v, s);
             wait[s] = v;
         }
-        /* key i to lane i */
-        const vf sc = (vf)_mm256_permutevar8x32_ps((__m256)wait[LEVELS],
-                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
-                      * scale;
-        if (n[a] == VL) {
-            storev(out[a], sc);
-            continue;
-        }
-        float buf[VL];
-        storev(buf, sc);
-        memcpy(out[a], buf, n[a] * sizeof(float));
+        put_scores(out[a], (vf)_mm256_permutevar8x32_ps(                  /* key i to lane i */
+                               (__m256)wait[LEVELS], _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+                           * scale, n[a]);
     }
-    return;
-#endif
+#else
     vf wait[8][LEVELS + 1];                    /* wait[a][s]: query a's level-s vector */
 #pragma GCC unroll 16
     for (int i = 0; i < VL; i++) {
@@ -1399,17 +1403,9 @@ static inline __attribute__((always_inline)) void scores_block(const float *cons
             wait[a][s] = v;
         }
     }
-    for (int a = 0; a < NQ; a++) {                                      /* key i in lane i */
-        if (n[a] == VL) {       /* a full block: stored whole (a call of memcpy per query
-                                 * and block, and its reload of the buffer, cost much of a
-                                 * query's scores on AVX2) */
-            storev(out[a], wait[a][LEVELS] * scale);
-            continue;
-        }
-        float buf[VL];
-        storev(buf, wait[a][LEVELS] * scale);
-        memcpy(out[a], buf, n[a] * sizeof(float));
-    }
+    for (int a = 0; a < NQ; a++)                                        /* key i in lane i */
+        put_scores(out[a], wait[a][LEVELS] * scale, n[a]);
+#endif
 }
 #else
 #define SCORES_TREE 0
