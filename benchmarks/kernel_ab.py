@@ -10,7 +10,9 @@ rounds. Not a test; CI does not run it.
 random-weight model of SmolLM2's attention (30 layers, 9 query and 3 KV heads of 64) with an MLP
 64 wide, its forward at each context less its forward at context 8 (the two alternating), so
 that the products' swings on a noisy VM stay out of the difference (it holds 1,024 positions:
-e.g. `--contexts 256,1016`).
+e.g. `--contexts 256,1016`). `--bits` times nothing: it checks that the two kernels give SmolLM2
+the same outputs bit for bit (a 700-token prefill, then steps of 5, 1, 3 and 7 rows, in each
+`--dtype`), for a change meant to keep every sum as it was.
 """
 
 from __future__ import annotations
@@ -26,6 +28,54 @@ REPO = Path(__file__).resolve().parents[1]
 # SmolLM2's attention with next to no MLP or vocabulary (--attention)
 ATTENTION_MODEL = "random:hidden=576,layers=30,inter=64,heads=9,kv=3,head_dim=64,vocab=1024"
 SHORT = 8               # --attention: the context whose forward is taken off
+
+
+BITS_STEPS = ((0, 700), (700, 5), (705, 1), (706, 3), (709, 7))   # (context, rows)
+
+
+def outputs(source: str, dtypes: list[str], path: str) -> None:
+    """SmolLM2's forward outputs of BITS_STEPS with the kernel built from `source`, saved to
+    `path` (safetensors), keyed "<dtype> <context> <rows>"."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specserve.kernels.cpu import binding
+    binding.SOURCE = Path(source).resolve()
+    from specserve import LLM
+    from specserve.bench.runners import precision_args
+    from specserve.models.metadata import build_metadata
+
+    out = {}
+    for dt in dtypes:
+        engine = LLM("smollm2-135m-instruct", max_num_seqs=1, max_model_len=2048,
+                     **precision_args(dt)).engine
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for ctx, n in BITS_STEPS:
+                ids = torch.randint(0, engine.model.args.vocab_size, (n,), generator=g)
+                md, pos = build_metadata([ctx], [n], [0], engine.device)
+                out[f"{dt} {ctx} {n}"] = engine.model(ids, pos, md, engine.cache.layers).clone()
+    save_file(out, path)
+
+
+def same_bits(before: str, after: str, dtype: str) -> None:
+    """Print, per step, whether the two kernels' outputs are equal bit for bit."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+    with tempfile.TemporaryDirectory() as tmp:
+        files = []
+        for i, src in enumerate((before, after)):
+            files.append(f"{tmp}/{i}.safetensors")
+            subprocess.run([sys.executable, __file__, src, "--measure", "--bits", "--dtype", dtype,
+                            "--out", files[-1]], check=True, capture_output=True)
+        a, b = (load_file(f) for f in files)
+    print("| step (precision, context, rows) | equal bit for bit | largest difference |\n"
+          "|---|---|---:|")
+    for key in a:
+        print(f"| {key} | {'yes' if torch.equal(a[key], b[key]) else 'NO'} | "
+              f"{(a[key] - b[key]).abs().max().item():.3g} |")
 
 
 def measure(source: str, dtypes: list[str], contexts: list[int], rows: list[int],
@@ -79,10 +129,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=25)
     p.add_argument("--attention", action="store_true",
                    help="the attention alone (see above), not SmolLM2's forward")
+    p.add_argument("--bits", action="store_true",
+                   help="compare the two kernels' outputs bit for bit instead of timing them")
+    p.add_argument("--out", help=argparse.SUPPRESS)           # --measure --bits: where to save
     p.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
     dtypes, contexts, rows = (a.dtype.split(","), [int(c) for c in a.contexts.split(",")],
                               [int(r) for r in a.rows.split(",")])
+    if a.measure and a.bits:
+        outputs(a.before, dtypes, a.out)
+        return
+    if a.bits:
+        same_bits(a.before, a.after, a.dtype)
+        return
     if a.measure:                                   # one process, one kernel: `before`
         print(json.dumps(measure(a.before, dtypes, contexts, rows, a.repeats, a.attention)))
         return
