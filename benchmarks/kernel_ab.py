@@ -28,9 +28,17 @@ REPO = Path(__file__).resolve().parents[1]
 # SmolLM2's attention with next to no MLP or vocabulary (--attention)
 ATTENTION_MODEL = "random:hidden=576,layers=30,inter=64,heads=9,kv=3,head_dim=64,vocab=1024"
 SHORT = 8               # --attention: the context whose forward is taken off
-
-
 BITS_STEPS = ((0, 700), (700, 5), (705, 1), (706, 3), (709, 7))   # (context, rows)
+
+
+def engines(source: str, target: str, dtypes: list[str], max_len: int):
+    """(precision, engine) of `target` in each of `dtypes`, on the kernel built from `source`."""
+    from specserve.kernels.cpu import binding
+    binding.SOURCE = Path(source).resolve()         # before the engine loads the library
+    from specserve import LLM
+    from specserve.bench.runners import precision_args
+    for dt in dtypes:
+        yield dt, LLM(target, max_num_seqs=1, max_model_len=max_len, **precision_args(dt)).engine
 
 
 def outputs(source: str, dtypes: list[str], path: str) -> None:
@@ -39,16 +47,10 @@ def outputs(source: str, dtypes: list[str], path: str) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from specserve.kernels.cpu import binding
-    binding.SOURCE = Path(source).resolve()
-    from specserve import LLM
-    from specserve.bench.runners import precision_args
     from specserve.models.metadata import build_metadata
 
     out = {}
-    for dt in dtypes:
-        engine = LLM("smollm2-135m-instruct", max_num_seqs=1, max_model_len=2048,
-                     **precision_args(dt)).engine
+    for dt, engine in engines(source, "smollm2-135m-instruct", dtypes, 2048):
         g = torch.Generator().manual_seed(0)
         with torch.inference_mode():
             for ctx, n in BITS_STEPS:
@@ -84,11 +86,7 @@ def measure(source: str, dtypes: list[str], contexts: list[int], rows: list[int]
     `attention`: ATTENTION_MODEL's forward less its forward at context SHORT)."""
     import torch
 
-    from specserve.kernels.cpu import binding
-    binding.SOURCE = Path(source).resolve()         # before the engine loads the library
-    from specserve import LLM
     from specserve.bench.random_models import materialize
-    from specserve.bench.runners import precision_args
     from specserve.models.metadata import build_metadata
     sys.path.insert(0, str(REPO / "benchmarks"))
     from step_split import _median_ms
@@ -96,11 +94,8 @@ def measure(source: str, dtypes: list[str], contexts: list[int], rows: list[int]
     target = (materialize(ATTENTION_MODEL, REPO / "models" / "code-target") if attention
               else "smollm2-135m-instruct")
     out = {}
-    for dt in dtypes:
-        # ATTENTION_MODEL holds 1,024 positions
-        engine = LLM(target, max_num_seqs=1, max_model_len=1024 if attention else 2048,
-                     **precision_args(dt)).engine
-
+    # ATTENTION_MODEL holds 1,024 positions
+    for dt, engine in engines(source, target, dtypes, 1024 if attention else 2048):
         def forward(ctx: int, n: int, e=engine):
             ids = torch.arange(10, 10 + n)
             md, pos = build_metadata([ctx], [n], [0], e.device)
